@@ -1,0 +1,60 @@
+# Two commands for a fresh machine (see README):
+#   make demo   set up, then run the quickstart notebook headless (CPU engine + tiny model without a GPU)
+#   make test   set up, then run every test (unit, integration, faults, notebooks, browser)
+# Without conda, environments live in .venv/ (kernel) and .venv-server/ (SGLang, GPU boxes only),
+# built from environment-train.yml / environment-server.yml; re-running reuses what is installed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo --gpu)
+RUN_DIR ?= runs/demo
+NB_TIMEOUT ?= 900
+
+.PHONY: demo test venv server-env vllm-env browser-deps test-faults test-main clean-runs
+
+$(VENV)/.installed: environment-train.yml pyproject.toml tools/yml_requirements.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PYTHON) tools/yml_requirements.py environment-train.yml $(GPU) > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "artsg_nb (.venv)" >/dev/null
+	touch $@
+
+venv: $(VENV)/.installed
+
+# The SGLang server environment for a GPU box without conda (conda users: environment-server.yml).
+server-env: .venv-server/.installed
+.venv-server/.installed: environment-server.yml tools/yml_requirements.py
+	@test -x .venv-server/bin/python || $(PYTHON) -m venv .venv-server
+	$(PYTHON) tools/yml_requirements.py environment-server.yml > .venv-server/requirements.txt
+	.venv-server/bin/pip install -q -r .venv-server/requirements.txt
+	touch $@
+
+vllm-env: .venv-vllm/.installed
+.venv-vllm/.installed: environment-vllm.yml tools/yml_requirements.py
+	@test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
+	$(PYTHON) tools/yml_requirements.py environment-vllm.yml > .venv-vllm/requirements.txt
+	.venv-vllm/bin/pip install -q -r .venv-vllm/requirements.txt
+	touch $@
+
+# Headless Chromium for the real-browser test (Debian's package; Playwright drives it).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+demo: venv
+	$(if $(GPU),$(MAKE) server-env,)
+	$(PY) -m artsg_nb.demo --run-dir $(RUN_DIR)
+
+test: venv browser-deps
+	$(MAKE) test-faults
+	$(MAKE) test-main
+
+test-faults:
+	$(PY) -m pytest -m faults -p no:cacheprovider -q
+
+test-main:
+	$(PY) -m pytest -m "not faults" -p no:cacheprovider -q --nbmake notebooks --nbmake-timeout=$(NB_TIMEOUT) tests
+
+clean-runs:
+	rm -rf runs

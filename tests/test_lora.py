@@ -1,0 +1,70 @@
+"""Adapter versions: atomic save, checksums, run-dir confinement, publish/unload order."""
+import asyncio
+import errno
+
+import pytest
+
+from artsg_nb.lora import (AdapterMismatchError, AdapterPublisher, AdapterSaveError, check_inside,
+                           load_version, save_adapter_atomic)
+
+
+def _fake_save(tmp):
+    tmp.mkdir(parents=True)
+    (tmp / "adapter_config.json").write_text("{}")
+    (tmp / "adapter_model.safetensors").write_bytes(b"weights")
+
+
+def test_save_is_atomic_and_checksummed(tmp_path):
+    v = save_adapter_atomic(_fake_save, tmp_path / "adapters", 3)
+    assert v.name == "policy-step-3" and v.path.name == "policy-step-3"
+    assert (v.path / "sha256.txt").read_text().strip() == v.sha256
+    assert load_version(tmp_path / "adapters", 3).sha256 == v.sha256
+    assert not [p for p in (tmp_path / "adapters").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_disk_error_leaves_no_adapter_behind(tmp_path):
+    def failing(tmp):
+        tmp.mkdir(parents=True)
+        (tmp / "adapter_model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(AdapterSaveError, match="No space left.*Free disk space"):
+        save_adapter_atomic(failing, tmp_path / "adapters", 1)
+    assert list((tmp_path / "adapters").iterdir()) == []
+
+
+def test_corrupted_adapter_is_refused(tmp_path):
+    v = save_adapter_atomic(_fake_save, tmp_path, 2)
+    (v.path / "adapter_model.safetensors").write_bytes(b"tampered")
+    with pytest.raises(AdapterMismatchError, match="checksum"):
+        load_version(tmp_path, 2)
+
+
+def test_adapters_only_from_inside_the_run_dir(tmp_path):
+    check_inside(tmp_path / "a" / "b", tmp_path)
+    with pytest.raises(ValueError, match="outside the run directory"):
+        check_inside(tmp_path.parent / "elsewhere", tmp_path)
+
+
+class _RecordingClient:
+    def __init__(self):
+        self.calls = []
+
+    async def load_adapter(self, name, path):
+        self.calls.append(("load", name))
+        return 0.01
+
+    async def unload_adapter(self, name):
+        self.calls.append(("unload", name))
+
+
+def test_publish_loads_new_then_unloads_old(tmp_path):
+    client = _RecordingClient()
+    pub = AdapterPublisher(client, tmp_path)
+    for step in range(3):
+        asyncio.run(pub.publish(save_adapter_atomic(_fake_save, tmp_path / "adapters", step)))
+    assert client.calls == [("load", "policy-step-0"), ("load", "policy-step-1"), ("unload", "policy-step-0"),
+                            ("load", "policy-step-2"), ("unload", "policy-step-1")]
+    assert pub.current.name == "policy-step-2"
+    asyncio.run(pub.republish())  # after a server restart only the newest comes back
+    assert client.calls[-1] == ("load", "policy-step-2")

@@ -1,0 +1,188 @@
+"""One row of training metrics per GRPO step, kept in memory and on disk.
+
+`History` is what the training loop appends to and what the plots and the progress line read.
+Every row is also written as one JSON line to `<run_dir>/history.jsonl` and flushed at once, so
+a crashed kernel loses at most the step it was in; `History.load(run_dir)` resumes from that file
+and tolerates a last line cut off mid-write.
+
+It does not compute metrics (the training step does) and does not draw anything (see plots.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+logger = logging.getLogger(__name__)
+
+HISTORY_FILE = "history.jsonl"
+
+# The step row contract (docs/internals.md, "History columns"). Rows may carry extra keys; they
+# become extra columns after these.
+COLUMNS: tuple[str, ...] = (
+    "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
+    "is_ratio_mean", "is_ratio_min", "is_ratio_max", "tokens", "completion_tokens",
+    "rollout_s", "train_s", "reload_s", "hit_rate", "zero_adv_groups", "failed_rollouts",
+    "truncated",
+)
+TEXT_COLUMNS = frozenset({"adapter"})
+
+
+class History:
+    """Per-step metrics of one run, mirrored to `<run_dir>/history.jsonl`.
+
+    `History(run_dir)` starts an empty history; if that directory already holds a non-empty
+    history file it is moved aside (`history.<timestamp>.jsonl`, logged) rather than mixed with
+    the new run. To continue a run use `History.load(run_dir)`.
+    """
+
+    def __init__(self, run_dir: str | Path, rows: list[dict] | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / HISTORY_FILE
+        self._rows: list[dict] = list(rows or [])
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if rows is None:
+            _move_aside_if_present(self.path)
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> History:
+        """Resume from `<run_dir>/history.jsonl` (an absent file gives an empty history).
+
+        A last line cut off by a crash is dropped and trimmed from the file, so the next
+        `append` starts on a clean line.
+        """
+        path = Path(run_dir) / HISTORY_FILE
+        rows = _read_rows(path) if path.exists() else []
+        return cls(run_dir, rows=rows)
+
+    def append(self, row: dict[str, Any]) -> dict:
+        """Add one step's row (missing `step` = previous step + 1) and write it to disk now."""
+        row = {key: _plain(value) for key, value in row.items()}
+        if row.get("step") is None:
+            row["step"] = self._rows[-1]["step"] + 1 if self._rows else 0
+        row = {"step": row.pop("step"), **row}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+            f.flush()
+        self._rows.append(row)
+        return row
+
+    def truncate(self, last_step: int) -> int:
+        """Drop rows after `last_step` (resuming from an earlier checkpoint); returns how many.
+
+        The file is rewritten to match, atomically (a temporary file, then a rename).
+        """
+        kept = [row for row in self._rows if row["step"] <= last_step]
+        dropped = len(self._rows) - len(kept)
+        if dropped:
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+            logger.info("%s: dropped %d row(s) after step %d", self.path, dropped, last_step)
+        self._rows = kept
+        return dropped
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """One row per step with the contract columns first; absent values are NaN."""
+        extra = [k for row in self._rows for k in row if k not in COLUMNS]
+        columns = list(COLUMNS) + list(dict.fromkeys(extra))
+        df = pd.DataFrame(self._rows, columns=columns)
+        for column in COLUMNS:
+            if column not in TEXT_COLUMNS:  # None -> NaN, bools -> 0/1, so plots get floats
+                df[column] = pd.to_numeric(df[column], errors="coerce").astype(float)
+        df["step"] = df["step"].astype("int64")  # append() always sets it
+        return df
+
+    @property
+    def last(self) -> dict | None:
+        """The most recent row, or None before the first step."""
+        return dict(self._rows[-1]) if self._rows else None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __repr__(self) -> str:
+        return f"History({str(self.run_dir)!r}, steps={len(self)})"
+
+    @staticmethod
+    def format_row(row: dict[str, Any]) -> str:
+        """One progress line, e.g. `step 12 | reward 0.41 ± 0.10 | loss 0.012 | hit 0.86 | ...`.
+
+        Fields that are absent or NaN are left out; failed rollouts appear only when non-zero.
+        """
+        parts = [f"step {row.get('step', '?')}"]
+        reward, reward_std = row.get("reward_mean"), row.get("reward_std")
+        if _present(reward):
+            spread = f" ± {reward_std:.2f}" if _present(reward_std) else ""
+            parts.append(f"reward {reward:.2f}{spread}")
+        if _present(row.get("loss")):
+            parts.append(f"loss {row['loss']:.3g}")
+        if _present(row.get("hit_rate")):
+            parts.append(f"hit {row['hit_rate']:.2f}")
+        for key in ("rollout_s", "train_s", "reload_s"):
+            if _present(row.get(key)):
+                parts.append(f"{key[:-2]} {_format_seconds(row[key])}")
+        if _present(row.get("failed_rollouts")) and row["failed_rollouts"] > 0:
+            parts.append(f"failed {int(row['failed_rollouts'])}")
+        return " | ".join(parts)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """Parse a history file; drop (and trim from the file) a truncated last line."""
+    data = path.read_bytes()
+    rows: list[dict] = []
+    good_bytes = 0
+    for line in data.splitlines(keepends=True):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if good_bytes + len(line) < len(data):
+                raise ValueError(f"{path}: unreadable line {len(rows) + 1} in the middle of the "
+                                 f"file: {line[:80]!r}. Fix or remove it, then load again.")
+            logger.warning("%s: dropping a truncated last line (%d bytes)", path, len(line))
+            with open(path, "r+b") as f:
+                f.truncate(good_bytes)
+            break
+        good_bytes += len(line)
+    if rows and not data[:good_bytes].endswith(b"\n"):
+        with open(path, "ab") as f:  # a complete last row without its newline
+            f.write(b"\n")
+    return rows
+
+
+def _move_aside_if_present(path: Path) -> None:
+    """Keep an earlier run's history instead of appending a new run to it."""
+    if path.exists() and path.stat().st_size > 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = path.with_name(f"history.{stamp}.jsonl")
+        n = 1
+        while aside.exists():  # two runs started within one second
+            aside, n = path.with_name(f"history.{stamp}-{n}.jsonl"), n + 1
+        path.rename(aside)
+        logger.warning("%s held an earlier run; moved it to %s (use History.load to resume)",
+                       path, aside.name)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-safe scalar: numpy/torch scalars unwrapped, NaN and inf stored as null."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _present(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value))
+
+
+def _format_seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"

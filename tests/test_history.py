@@ -1,0 +1,98 @@
+"""History: append, the jsonl mirror, resume with a truncated last line, the progress line."""
+
+import json
+import math
+
+import pytest
+
+from artsg_nb.history import COLUMNS, HISTORY_FILE, History
+
+
+def row(step, **extra):
+    return {"step": step, "adapter": f"policy-step-{step}", "reward_mean": 0.1 * step,
+            "reward_std": 0.05, "loss": 0.01, **extra}
+
+
+def test_append_writes_one_flushed_json_line_per_step(tmp_path):
+    history = History(tmp_path)
+    history.append(row(0))
+    history.append(row(1, hit_rate=0.86))
+    lines = (tmp_path / HISTORY_FILE).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]
+    assert len(history) == 2
+    assert history.last["hit_rate"] == 0.86
+
+
+def test_df_has_contract_columns_and_nan_for_missing(tmp_path):
+    history = History(tmp_path)
+    history.append(row(0, custom=3))
+    history.append({"reward_mean": 0.5, "kl": float("nan")})  # step defaults to previous + 1
+    df = history.df
+    assert list(df.columns[: len(COLUMNS)]) == list(COLUMNS)
+    assert "custom" in df.columns
+    assert df["step"].tolist() == [0, 1]
+    assert math.isnan(df.loc[0, "hit_rate"]) and math.isnan(df.loc[1, "kl"])
+    assert df["reward_mean"].dtype == float
+
+
+def test_empty_history(tmp_path):
+    history = History(tmp_path)
+    assert len(history) == 0 and history.last is None
+    assert list(history.df.columns) == list(COLUMNS) and len(history.df) == 0
+
+
+def test_numpy_scalars_and_nan_are_stored_as_plain_json(tmp_path):
+    np = pytest.importorskip("numpy")
+    History(tmp_path).append({"step": 0, "loss": np.float32(0.5), "kl": np.nan})
+    stored = json.loads((tmp_path / HISTORY_FILE).read_text())
+    assert stored == {"step": 0, "loss": 0.5, "kl": None}
+
+
+def test_load_drops_truncated_last_line_and_appends_cleanly(tmp_path):
+    history = History(tmp_path)
+    for step in range(3):
+        history.append(row(step))
+    with open(tmp_path / HISTORY_FILE, "a") as f:
+        f.write('{"step": 3, "reward_me')  # the kernel died mid-write
+    resumed = History.load(tmp_path)
+    assert len(resumed) == 3 and resumed.last["step"] == 2
+    resumed.append(row(3))
+    again = History.load(tmp_path)
+    assert again.df["step"].tolist() == [0, 1, 2, 3]
+
+
+def test_load_of_missing_file_is_empty_and_corrupt_middle_raises(tmp_path):
+    assert len(History.load(tmp_path / "new")) == 0
+    (tmp_path / HISTORY_FILE).write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        History.load(tmp_path)
+
+
+def test_truncate_drops_later_steps_in_memory_and_on_disk(tmp_path):
+    history = History(tmp_path)
+    for step in range(1, 6):
+        history.append(row(step))
+    assert history.truncate(3) == 2 and history.last["step"] == 3
+    assert History.load(tmp_path).df["step"].tolist() == [1, 2, 3]
+    assert history.truncate(3) == 0
+
+
+def test_new_history_moves_an_earlier_run_aside(tmp_path):
+    History(tmp_path).append(row(0))
+    History(tmp_path).append(row(0))
+    assert len(list(tmp_path.glob("history.*.jsonl"))) == 1
+    assert len(History.load(tmp_path)) == 1
+
+
+def test_format_row():
+    line = History.format_row({"step": 12, "reward_mean": 0.41, "reward_std": 0.1, "loss": 0.012,
+                               "hit_rate": 0.86, "rollout_s": 3.1, "train_s": 2.0,
+                               "reload_s": 0.04, "failed_rollouts": 0})
+    assert line == ("step 12 | reward 0.41 ± 0.10 | loss 0.012 | hit 0.86 | rollout 3.1 s | "
+                    "train 2.0 s | reload 0.04 s")
+
+
+def test_format_row_skips_missing_and_shows_failures():
+    line = History.format_row({"step": 3, "reward_mean": 0.5, "loss": float("nan"),
+                               "failed_rollouts": 2})
+    assert line == "step 3 | reward 0.50 | failed 2"

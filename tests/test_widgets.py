@@ -1,0 +1,210 @@
+"""Dashboard: text and HTML rendering, refresh, the background thread's lifecycle and robustness."""
+
+import gc
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from artsg_nb import widgets
+from artsg_nb.gpus import GpuInfo, GpuPlan
+from artsg_nb.widgets import Dashboard, sparkline
+
+GIB = 1024  # MiB
+
+
+class FakeServer:
+    def __init__(self, engine="sglang", url="http://127.0.0.1:30000"):
+        self.url, self.config, self.is_alive = url, SimpleNamespace(engine=engine), True
+
+    def alive(self):
+        return self.is_alive
+
+
+class FakeTracker:
+    def __init__(self):
+        self.rates = [0.5, 0.75, 0.875]
+        self.fail = False
+
+    def cumulative(self):
+        if self.fail:
+            raise RuntimeError("metrics endpoint unreachable")
+        return sum(self.rates) / len(self.rates)
+
+    def last_window(self):
+        return self.rates[-1]
+
+    def trend(self, n):
+        return self.rates[-n:]
+
+
+def split_plan():
+    return GpuPlan(mode="split", server_gpus=(0,), trainer_gpus=(1,))
+
+
+def cpu_plan():
+    return GpuPlan(mode="cpu")
+
+
+def gpu(index, used_gib):
+    return GpuInfo(index=index, name="NVIDIA H200", uuid=f"GPU-{index}",
+                   mem_total_mib=140 * GIB, mem_used_mib=used_gib * GIB)
+
+
+def two_gpus():
+    return [gpu(0, 100), gpu(1, 35)]
+
+
+def wait_until(condition, timeout_s=1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.fixture
+def dashboards():
+    """Dashboards made in a test, stopped afterwards even if it fails."""
+    made = []
+    yield lambda *args, **kw: made.append(Dashboard(*args, **kw)) or made[-1]
+    for dashboard in made:
+        dashboard.stop()
+
+
+def test_sparkline_fixed_scale_and_gaps():
+    assert sparkline([0.0, 0.5, 1.0, None, float("nan"), 2.0]) == "▁▅█  █"
+
+
+def test_text_on_cpu_plan(dashboards):
+    server = FakeServer(engine="cpu", url="http://127.0.0.1:31000")
+    text = dashboards(cpu_plan(), server, FakeTracker(), adapter_fn=lambda: "policy-step-3",
+                      gpu_reader=lambda: pytest.fail("no GPU reads on CPU")).render_text()
+    assert "CPU engine" in text and "GPU 0" not in text
+    assert "server  cpu  http://127.0.0.1:31000  running  adapter policy-step-3" in text
+    assert "cumulative 0.71 · last step 0.88 · trend ▅▆▇" in text
+
+
+def test_text_on_split_plan_with_fake_memory(dashboards):
+    lines = dashboards(split_plan(), FakeServer(), gpu_reader=two_gpus).render_text().splitlines()
+    gpu0, gpu1 = lines[1], lines[2]
+    assert "GPU 0" in gpu0 and "server " in gpu0 and "100.0 / 140.0 GiB" in gpu0
+    assert "GPU 1" in gpu1 and "trainer" in gpu1 and "35.0 / 140.0 GiB" in gpu1
+    assert gpu0.count("█") == 14 and gpu1.count("█") == 5  # of 20 cells
+    assert "hit rate" not in "\n".join(lines)  # no tracker, no hit-rate line
+
+
+def test_roles_colocated_idle_and_unreadable():
+    plan = SimpleNamespace(mode="colocated", server_gpus=[0], trainer_gpus=[0, 2])
+    rows = widgets.gpu_rows(plan, two_gpus())
+    assert [(r.index, r.role) for r in rows] == [(0, "server+trainer"), (1, "idle"),
+                                                 (2, "trainer")]
+    assert widgets._memory_label(rows[2]) == "memory unavailable"
+
+
+def test_refresh_updates_html_with_stable_classes(dashboards):
+    tracker = FakeTracker()
+    dashboard = dashboards(split_plan(), FakeServer(), tracker, gpu_reader=two_gpus)
+    dashboard.refresh()
+    value = dashboard.widget.value
+    assert 'class="artsg-dashboard"' in value and value.count('class="artsg-gpu-row"') == 2
+    assert 'data-role="server"' in value and 'data-engine="sglang"' in value
+    assert 'class="artsg-hit-rate artsg-hit-rate-cumulative" data-value="0.7083"' in value
+    tracker.rates.append(1.0)
+    dashboard.refresh()
+    assert dashboard.widget.value != value and 'data-value="0.7812"' in dashboard.widget.value
+
+
+def test_show_outside_jupyter_prints_text_once(dashboards, capsys):
+    dashboard = dashboards(cpu_plan(), refresh_s=0.01)
+    assert dashboard.show() is dashboard
+    assert "CPU engine" in capsys.readouterr().out
+    assert not dashboard.running  # nothing to refresh outside Jupyter
+
+
+def test_thread_starts_refreshes_and_stops_within_a_second(dashboards):
+    tracker = FakeTracker()
+    dashboard = dashboards(split_plan(), FakeServer(), tracker, refresh_s=0.02,
+                           gpu_reader=two_gpus)
+    dashboard.start()
+    assert dashboard.running
+    tracker.rates.append(0.0)
+    assert wait_until(lambda: 'data-value="0.5312"' in dashboard.widget.value)
+    started = time.monotonic()
+    dashboard.stop()
+    dashboard.stop()  # idempotent
+    assert time.monotonic() - started < 1.0 and not dashboard.running
+    assert "dashboard stopped" in dashboard.widget.value
+    assert not [t for t in threading.enumerate() if t.name == "artsg-dashboard"]
+
+
+def test_stops_after_a_final_refresh_when_server_dies(dashboards):
+    server = FakeServer()
+    dashboard = dashboards(split_plan(), server, refresh_s=0.02, gpu_reader=two_gpus)
+    dashboard.start()
+    assert wait_until(lambda: "running" in dashboard.widget.value)
+    server.is_alive = False
+    assert wait_until(lambda: not dashboard.running)
+    assert dashboard.snapshot.alive is False
+    assert "stopped" in dashboard.widget.value and "server stopped" in dashboard.render_text()
+
+
+def test_tracker_error_is_shown_and_logged_but_thread_survives(dashboards, caplog):
+    tracker = FakeTracker()
+    tracker.fail = True
+    dashboard = dashboards(split_plan(), FakeServer(), tracker, refresh_s=0.02,
+                           gpu_reader=two_gpus)
+    with caplog.at_level(logging.WARNING, logger="artsg_nb.widgets"):
+        dashboard.start()
+        assert wait_until(lambda: "metrics endpoint unreachable" in dashboard.widget.value)
+        time.sleep(0.1)  # several more failing refreshes
+    assert dashboard.running
+    assert 'class="artsg-gpu-row"' in dashboard.widget.value  # the rest still renders
+    assert len([r for r in caplog.records if "hit rate" in r.getMessage()]) == 1  # logged once
+    tracker.fail = False
+    assert wait_until(lambda: "metrics endpoint unreachable" not in dashboard.widget.value)
+
+
+def test_gpu_reader_error_does_not_break_refresh(dashboards):
+    def broken():
+        raise OSError("NVML driver gone")
+
+    text = dashboards(split_plan(), FakeServer(), gpu_reader=broken).render_text()
+    assert "! GPU memory: OSError: NVML driver gone" in text
+    assert "GPU 0" not in text and "server  sglang" in text
+
+
+def test_thread_ends_when_dashboard_is_dropped():
+    dashboard = Dashboard(cpu_plan(), refresh_s=0.02)
+    dashboard.start()
+    thread = dashboard._thread
+    del dashboard
+    gc.collect()
+    thread.join(1.0)
+    assert not thread.is_alive()
+
+
+def test_server_health_error_shows_unknown_and_keeps_refreshing(dashboards):
+    server = FakeServer()
+    server.alive = lambda: (_ for _ in ()).throw(ConnectionError("refused"))
+    dashboard = dashboards(cpu_plan(), server, refresh_s=0.02)
+    dashboard.start()
+    assert wait_until(lambda: "unknown" in dashboard.widget.value)
+    assert "! server: ConnectionError: refused" in dashboard.render_text()
+    time.sleep(0.05)
+    assert dashboard.running  # an unreadable server is not a dead one
+
+
+def test_with_the_real_hit_rate_tracker(dashboards):
+    from artsg_nb.metrics import CacheCounters, HitRateTracker
+
+    tracker = HitRateTracker(engine="sglang")
+    text = dashboards(cpu_plan(), tracker=tracker).render_text()
+    assert "cumulative — · last step — · trend " in text  # before any scrape
+    for prompt, cached in ((0, 0), (100, 50), (200, 140), (400, 320)):
+        tracker.add_counters(CacheCounters(prompt_tokens=prompt, cached_tokens=cached))
+    text = dashboards(cpu_plan(), tracker=tracker).render_text()
+    assert "cumulative 0.80 · last step 0.90 · trend ▅▇▇" in text

@@ -1,0 +1,177 @@
+"""The vLLM dialect of `EngineClient` (the baseline engine users compare SGLang against).
+
+What it does: generate through POST /v1/completions with the prompt as a token-id list and
+`return_token_ids`, so ids and logprobs come from the server (never re-tokenised); select an
+adapter with `"model": "<adapter>"`; load/unload adapters through /v1/load_lora_adapter (needs
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; success is a plain-text 200); flush with /reset_prefix_cache
+(needs VLLM_SERVER_DEV_MODE=1). Cached tokens appear only with --enable-prompt-tokens-details.
+
+What it does not do: anything engine-neutral (client.py), or vLLM's RL weight-sync routes.
+vLLM's default logprobs are pre-temperature; `check_logprobs_mode` catches a server started
+without `--logprobs-mode processed_logprobs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from .client import (EngineClient, EngineError, Generation, SamplingParams, chat_payload,
+                     normalise_finish_reason, response_body)
+
+log = logging.getLogger(__name__)
+
+_RUNTIME_LORA = "Set VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in the vLLM server's environment."
+_DEV_MODE = "Set VLLM_SERVER_DEV_MODE=1 in the vLLM server's environment."
+
+
+class VLLMClient(EngineClient):
+    """vLLM's OpenAI-compatible server."""
+
+    engine = "vllm"
+    route_hints = {
+        "/v1/load_lora_adapter": _RUNTIME_LORA,
+        "/v1/unload_lora_adapter": _RUNTIME_LORA,
+        "/reset_prefix_cache": _DEV_MODE,
+        "/server_info": _DEV_MODE,
+    }
+
+    def _model(self, adapter: str | None) -> str:
+        return adapter or self.served_model  # vLLM: the adapter's own name selects it
+
+    def _generate_payload(self, input_ids: list[int], params: SamplingParams, adapter: str | None) -> dict:
+        payload = {"model": self._model(adapter), "prompt": list(input_ids), "max_tokens": params.max_new_tokens,
+                   "temperature": params.temperature, "top_p": params.top_p, "n": params.n,
+                   "ignore_eos": params.ignore_eos, "return_token_ids": True,
+                   "logprobs": 1}  # the sampled token's logprob is always included; top-1 is free
+        if params.stop:
+            payload["stop"] = list(params.stop)
+        if params.stop_token_ids:
+            payload["stop_token_ids"] = list(params.stop_token_ids)
+        return payload
+
+    async def _generate(self, input_ids, params, adapter) -> list[Generation]:
+        resp = await self._request("POST", "/v1/completions", "use" if adapter else "other",
+                                   json=self._generate_payload(input_ids, params, adapter))
+        body = resp.json()
+        cached = cached_tokens(body.get("usage"))
+        return [self._parse_choice(c, len(input_ids), cached) for c in sorted(body["choices"], key=_index)]
+
+    async def _generate_streamed(self, input_ids, params, adapter, signal) -> list[Generation]:
+        payload = {**self._generate_payload(input_ids, params, adapter),
+                   "stream": True, "stream_options": {"include_usage": True}}
+        # Each chunk carries deltas per choice index; usage arrives in the last chunk.
+        choices: dict[int, dict] = {}
+        usage = None
+        async for chunk in self._sse("/v1/completions", payload, "use" if adapter else "other"):
+            usage = chunk.get("usage") or usage
+            for delta in chunk.get("choices") or []:
+                acc = choices.setdefault(_index(delta), {"index": _index(delta), "token_ids": [], "text": "",
+                                                         "logprobs": {"token_logprobs": []}, "finish_reason": None})
+                acc["token_ids"] += delta.get("token_ids") or []
+                acc["logprobs"]["token_logprobs"] += (delta.get("logprobs") or {}).get("token_logprobs") or []
+                acc["text"] += delta.get("text") or ""
+                acc["finish_reason"] = delta.get("finish_reason") or acc["finish_reason"]
+                if delta.get("token_ids"):
+                    await signal.fire()
+        cached = cached_tokens(usage)
+        return [self._parse_choice(choices[i], len(input_ids), cached) for i in sorted(choices)]
+
+    def _parse_choice(self, choice: dict, prompt_tokens: int, cached: int) -> Generation:
+        ids = list(choice.get("token_ids") or [])
+        lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if len(lps) != len(ids) or any(lp is None for lp in lps):
+            raise EngineError(
+                f"vLLM returned {len(ids)} token_ids but {len(lps)} logprobs: they cannot be aligned. "
+                "The request sends return_token_ids and logprobs; does this vLLM support return_token_ids?",
+                body=choice)
+        finish = normalise_finish_reason(choice.get("finish_reason"))
+        if finish == "abort":
+            log.warning("vllm aborted a request: finish_reason=%s", choice.get("finish_reason"))
+        return Generation(output_ids=ids, logprobs=[float(x) for x in lps], prompt_tokens=prompt_tokens,
+                          cached_tokens=cached, finish_reason=finish, text=choice.get("text") or "", e2e_s=0.0)
+
+    async def chat(self, messages: list[dict], params: SamplingParams | None = None,
+                   adapter: str | None = None, logprobs: bool = True, **extra) -> dict:
+        payload = chat_payload(self._model(adapter), messages, params or SamplingParams(), logprobs, extra)
+        return (await self._request("POST", "/v1/chat/completions", "use" if adapter else "other",
+                                    json=payload)).json()
+
+    async def load_adapter(self, name: str, path: str) -> float:
+        # Never load_inplace from one path: vLLM keys its prefix cache by (name, path) → stale KV.
+        t0 = time.perf_counter()
+        await self._request("POST", "/v1/load_lora_adapter", "load", json={"lora_name": name, "lora_path": path})
+        return time.perf_counter() - t0
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._request("POST", "/v1/unload_lora_adapter", "unload", json={"lora_name": name})
+
+    async def flush_cache(self, timeout_s: float | None = None) -> None:
+        """Reset the prefix cache (dev-mode route). vLLM refuses while blocks are in use; with
+        `timeout_s` it is retried until then."""
+        deadline = time.monotonic() + (timeout_s or 0)
+        while True:
+            body = response_body(await self._request("POST", "/reset_prefix_cache"))
+            if not isinstance(body, dict) or body.get("success", True):
+                return
+            if time.monotonic() >= deadline:
+                raise EngineError("vllm POST /reset_prefix_cache → success: false (blocks are still in use "
+                                  "by running requests). Flush when no request is in flight, or pass "
+                                  "timeout_s to retry.", 200, body)
+            await asyncio.sleep(0.2)
+
+    async def server_info(self) -> dict:
+        """The server's full configuration (dev-mode route)."""
+        return (await self._request("GET", "/server_info", params={"config_format": "json"})).json()
+
+    async def check_logprobs_mode(self) -> str | None:
+        """The server's --logprobs-mode; raises EngineError unless it is processed_logprobs.
+        None when it cannot be read (the server is not in dev mode)."""
+        try:
+            mode = find_key(await self.server_info(), "logprobs_mode")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            log.info("cannot read vLLM's --logprobs-mode (no /server_info without VLLM_SERVER_DEV_MODE=1)")
+            return None
+        if mode is not None and "processed_logprobs" not in str(mode):
+            raise EngineError(
+                f"vLLM runs with --logprobs-mode {mode}: its logprobs are not of the tempered distribution "
+                "the samples come from, so importance ratios would be wrong. Restart it with "
+                "--logprobs-mode processed_logprobs.")
+        return None if mode is None else str(mode)
+
+    async def score(self, input_ids: list[int], adapter: str | None = None,
+                    temperature: float = 1.0) -> list[float]:
+        # vLLM prompt logprobs: [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]
+        payload = {"model": self._model(adapter), "prompt": list(input_ids), "max_tokens": 1,
+                   "temperature": temperature, "prompt_logprobs": 0}
+        body = (await self._request("POST", "/v1/completions", "use" if adapter else "other", json=payload)).json()
+        entries = body["choices"][0]["prompt_logprobs"]
+        return [float(entry[str(tok)]["logprob"]) for entry, tok in zip(entries[1:], input_ids[1:])]
+
+
+def cached_tokens(usage: dict | None) -> int:
+    """usage.prompt_tokens_details.cached_tokens, 0 when absent (vLLM reports it only with
+    --enable-prompt-tokens-details)."""
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def find_key(obj: Any, key: str) -> Any:
+    """The first value of `key` anywhere in nested dicts/lists, else None."""
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        for item in obj:
+            if (found := find_key(item, key)) is not None:
+                return found
+    return None
+
+
+def _index(choice: dict) -> int:
+    return int(choice.get("index", 0))

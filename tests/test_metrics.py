@@ -1,0 +1,125 @@
+"""metrics.py on the /metrics text recorded from SGLang 0.5.14, on synthetic vLLM text, and the
+windowed hit-rate arithmetic on hand-worked numbers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from artsg_nb.metrics import (CacheCounters, HitRateTracker, MetricsError, cache_counters,
+                              cumulative_hit_rate, hit_rate, parse_metrics)
+
+
+def _fixtures_dir() -> Path:
+    shared = Path(os.environ.get("ARTSG_SHARED") or Path(__file__).resolve().parents[1] / ".." / "shared")
+    path = shared / "fixtures" / "sglang-0.5.14"
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"SGLang fixtures not found at {path}: set ARTSG_SHARED to the shared/ directory "
+            "(CI checks it out beside the repo as ../shared)")
+    return path
+
+
+SGLANG_METRICS = (_fixtures_dir() / "metrics.txt").read_text()
+
+# vLLM exposition: counters declared without _total, samples with it; labels model_name, engine.
+VLLM_METRICS = """\
+# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="base"} 600.0
+vllm:prefix_cache_queries_total{engine="1",model_name="base"} 400.0
+# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="base"} 300.0
+vllm:prefix_cache_hits_total{engine="1",model_name="base"} 100.0
+# HELP vllm:prompt_tokens Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{engine="0",model_name="base"} 610.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="base"} 0.25
+"""
+
+
+def test_sglang_fixture_hit_rate_is_35_of_177():
+    counters = cache_counters(SGLANG_METRICS, "sglang")
+    assert counters == CacheCounters(prompt_tokens=177.0, cached_tokens=35.0)
+    assert cumulative_hit_rate(counters) == pytest.approx(35 / 177)
+    assert cache_counters(SGLANG_METRICS, "cpu") == counters  # the CPU engine uses SGLang's names
+
+
+def test_sglang_gauge_is_not_the_cumulative_rate():
+    # The recorded gauge reads 0.0 (last prefill batch) while the counters say 35/177.
+    assert parse_metrics(SGLANG_METRICS)["sglang:cache_hit_rate"] == 0.0
+
+
+def test_parse_metrics_sums_over_labels_and_keeps_total_suffix():
+    text = """\
+# TYPE sglang:cached_tokens counter
+sglang:cached_tokens_total{cache_source="device",engine_type="unified",model_name="m"} 30.0
+sglang:cached_tokens_total{cache_source="host",engine_type="unified",model_name="m"} 12.0
+sglang:cached_tokens_total{cache_source="storage",engine_type="unified",model_name="m"} 3.0
+sglang:prompt_tokens_total{engine_type="unified",is_streaming="false",model_name="m"} 80.0
+sglang:prompt_tokens_total{engine_type="unified",is_streaming="true",model_name="m"} 20.0
+"""
+    values = parse_metrics(text)
+    assert values["sglang:cached_tokens_total"] == 45.0 and values["sglang:prompt_tokens_total"] == 100.0
+    assert cache_counters(text, "sglang") == CacheCounters(100.0, 45.0)
+
+
+def test_vllm_counters_sum_over_engines():
+    counters = cache_counters(VLLM_METRICS, "vllm")
+    assert counters == CacheCounters(prompt_tokens=1000.0, cached_tokens=400.0)
+    assert cumulative_hit_rate(counters) == pytest.approx(0.4)
+
+
+def test_vllm_old_gpu_prefix_cache_names():
+    text = ('vllm:gpu_prefix_cache_queries_total{model_name="base"} 50.0\n'
+            'vllm:gpu_prefix_cache_hits_total{model_name="base"} 20.0\n')
+    assert cache_counters(text, "vllm") == CacheCounters(50.0, 20.0)
+
+
+def test_counters_absent_before_first_request_read_as_zero():
+    text = 'sglang:num_running_reqs{model_name="m"} 0.0\n'
+    assert cache_counters(text, "sglang") == CacheCounters(0.0, 0.0)
+    assert cumulative_hit_rate(CacheCounters(0.0, 0.0)) is None
+
+
+def test_wrong_engine_text_is_an_error():
+    with pytest.raises(MetricsError, match="no vllm:"):
+        cache_counters(SGLANG_METRICS, "vllm")
+    with pytest.raises(ValueError, match="unknown engine"):
+        cache_counters(SGLANG_METRICS, "tgi")
+
+
+@pytest.mark.parametrize("before, after, expected", [
+    (CacheCounters(100, 20), CacheCounters(300, 120), 0.5),    # 100 cached of 200 new prompt tokens
+    (CacheCounters(100, 20), CacheCounters(100, 20), None),    # no new prompt tokens
+    (CacheCounters(0, 0), CacheCounters(177, 35), 35 / 177),
+    (CacheCounters(500, 400), CacheCounters(40, 10), 0.25),   # restart: counters reset, after is the window
+])
+def test_windowed_hit_rate(before, after, expected):
+    assert hit_rate(before, after) == (None if expected is None else pytest.approx(expected))
+
+
+def test_tracker_windows_trend_and_cumulative():
+    tracker = HitRateTracker(engine="sglang", max_samples=4)
+    assert tracker.cumulative() is None and tracker.last_window() is None and tracker.trend(5) == []
+    assert tracker.add_counters(CacheCounters(100, 0), t=1.0) is None
+    assert tracker.add_counters(CacheCounters(200, 50), t=2.0) == pytest.approx(0.5)
+    assert tracker.add_counters(CacheCounters(200, 50), t=3.0) is None   # idle window
+    assert tracker.add_counters(CacheCounters(400, 200), t=4.0) == pytest.approx(0.75)
+    assert tracker.trend() == [pytest.approx(0.5), None, pytest.approx(0.75)]
+    assert tracker.trend(2) == [None, pytest.approx(0.75)]
+    assert tracker.windows(1) == [(4.0, pytest.approx(0.75))]
+    assert tracker.cumulative() == pytest.approx(0.5)
+    tracker.add_counters(CacheCounters(500, 300), t=5.0)                  # the oldest scrape drops out
+    assert len(tracker.samples) == 4 and tracker.trend() == [None, pytest.approx(0.75), pytest.approx(1.0)]
+
+
+def test_tracker_reads_metrics_text():
+    tracker = HitRateTracker(engine="sglang")
+    tracker.add_sample(SGLANG_METRICS)
+    assert tracker.cumulative() == pytest.approx(35 / 177) and tracker.last_window() is None

@@ -47,7 +47,7 @@ nb.cells = [nbformat.v4.new_code_cell(c) for c in (
     "import sys, IPython, torch; print(sys.version.split()[0], IPython.__version__, torch.__version__, torch.cuda.is_available())",
     "import asyncio\nasync def f():\n    await asyncio.sleep(0.01)\n    return 42\nawait f()",
     "import ipywidgets as w; w.IntProgress(value=3, max=10)",
-    "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)",
+    "import trl, datasets, papermill; print('trl', trl.__version__, 'datasets', datasets.__version__)",
     "import matplotlib; matplotlib.use('agg'); import matplotlib.pyplot as plt; plt.plot([1, 2]); plt.show()",
 )]
 NotebookClient(nb, timeout=300, kernel_name="python3").execute()

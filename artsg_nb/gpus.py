@@ -1,0 +1,255 @@
+"""Which GPU does what: read the GPUs (nvidia-ml-py) and plan the server's and the trainer's roles.
+
+What it does: `list_gpus()` reads every GPU this process may use (physical NVML indexes,
+filtered by a `CUDA_VISIBLE_DEVICES` that was set before us); `plan_gpus()` turns that list
+into a `GpuPlan`:
+
+  - 2+ GPUs → "split":     the server owns GPU 0, the trainer (the notebook kernel) GPUs 1..n;
+  - 1 GPU   → "colocated": both share it; the server takes `server_mem_fraction` (0.45) of its
+                           memory and releases it around training (SGLang memory saver);
+  - none    → "cpu":       the CPU engine and a CPU trainer.
+
+`GpuPlan.server_env()` is the environment for the server subprocess; `apply_to_kernel(plan)`
+sets the kernel's `CUDA_VISIBLE_DEVICES`, which only works before CUDA initialises in the kernel
+(architecture fact 5), and says so loudly when it is too late.
+
+What it does not: no CUDA calls of its own (NVML does not initialise CUDA), no MIG slices, no
+tensor-parallel server across GPUs, no memory release itself (that is an HTTP call, see client).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["split", "colocated", "cpu"]
+COLOCATED_MEM_FRACTION = 0.45
+"""Server share of the one GPU in colocated mode; the trainer gets the rest."""
+
+_MODES = ("split", "colocated", "cpu")
+_original_visible: str | None = None   # CUDA_VISIBLE_DEVICES before apply_to_kernel changed it
+_applied = False
+_last_nvml_error = ""
+
+
+class NoGpuError(RuntimeError):
+    """A GPU was asked for and none is present (or none is visible to this process)."""
+
+
+class CudaAlreadyInitializedError(RuntimeError):
+    """The kernel initialised CUDA before the GPU plan could hide the server's GPUs from it."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML reports it."""
+    index: int
+    """Physical NVML index (PCI bus order), the number `CUDA_VISIBLE_DEVICES` uses here."""
+    name: str
+    """Marketing name, e.g. "NVIDIA H200"."""
+    uuid: str
+    """"GPU-…" UUID, stable across reboots and index reorderings."""
+    mem_total_mib: float
+    """Total memory, MiB."""
+    mem_used_mib: float
+    """Memory in use by any process when read, MiB."""
+
+    @property
+    def mem_free_mib(self) -> float:
+        return self.mem_total_mib - self.mem_used_mib
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """Roles of the GPUs: which ones the server gets, which ones the trainer gets."""
+    mode: Mode
+    """"split" (server and trainer on different GPUs), "colocated" (one shared GPU) or "cpu"."""
+    server_gpus: tuple[int, ...] = ()
+    """Physical indexes given to the server subprocess (empty in cpu mode)."""
+    trainer_gpus: tuple[int, ...] = ()
+    """Physical indexes left to the trainer in the kernel (empty in cpu mode)."""
+    server_mem_fraction: float | None = None
+    """Fraction of each server GPU the server may take (SGLang --mem-fraction-static, vLLM
+    --gpu-memory-utilization); None leaves the engine's default (split and cpu modes)."""
+    release_server_memory: bool = False
+    """Colocated: release the server's GPU memory before each training step and resume it
+    after (SGLang needs --enable-memory-saver; see client)."""
+    gpus: tuple[GpuInfo, ...] = field(default=(), compare=False)
+    """The GPUs the plan was made from, for display."""
+
+    @property
+    def trainer_devices(self) -> list[str]:
+        """Torch device names for the trainer in the kernel once `apply_to_kernel` ran
+        (CUDA renumbers the visible GPUs from 0)."""
+        return [f"cuda:{i}" for i in range(len(self.trainer_gpus))] or ["cpu"]
+
+    def server_env(self) -> dict[str, str]:
+        """Environment variables for the server subprocess (its GPUs, in NVML's order)."""
+        return {"CUDA_VISIBLE_DEVICES": _join(self.server_gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+    def kernel_env(self) -> dict[str, str]:
+        """Environment variables `apply_to_kernel` sets in the notebook kernel."""
+        return {"CUDA_VISIBLE_DEVICES": _join(self.trainer_gpus), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+    def describe(self) -> str:
+        """A few lines for the notebook: mode, then one line per GPU with its role and memory."""
+        head = {"split": f"split: server on GPU {_join(self.server_gpus)}, "
+                         f"trainer on GPU {_join(self.trainer_gpus)}",
+                "colocated": f"colocated: server and trainer share GPU {_join(self.server_gpus)}",
+                "cpu": "cpu: no GPU, the CPU engine serves and the trainer runs on CPU"}[self.mode]
+        if self.server_mem_fraction is not None:
+            head += f"; server memory fraction {self.server_mem_fraction:.2f}"
+        if self.release_server_memory:
+            head += "; server memory released around training"
+        lines = [f"GPU plan: {head}"]
+        for g in self.gpus:
+            role = ("server+trainer" if g.index in self.server_gpus and g.index in self.trainer_gpus
+                    else "server" if g.index in self.server_gpus
+                    else "trainer" if g.index in self.trainer_gpus else "idle")
+            lines.append(f"  GPU {g.index}  {g.name:<22} {g.mem_used_mib / 1024:6.1f} / "
+                         f"{g.mem_total_mib / 1024:6.1f} GiB used  → {role}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(self.describe())
+
+
+def list_gpus() -> list[GpuInfo]:
+    """The GPUs this process may use, by physical index; [] (never an error) without a driver."""
+    global _last_nvml_error
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception as e:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        _last_nvml_error = f"{type(e).__name__}: {e}"
+        log.debug("no NVML: %s", _last_nvml_error)
+        return []
+    try:
+        gpus = [_read(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except pynvml.NVMLError as e:
+        _last_nvml_error = f"{type(e).__name__}: {e}"
+        log.warning("NVML could not read the GPUs: %s", e)
+        return []
+    finally:
+        pynvml.nvmlShutdown()
+    return _visible(gpus, _original_visible if _applied else os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def _read(pynvml, i: int) -> GpuInfo:
+    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+    name, uuid = pynvml.nvmlDeviceGetName(h), pynvml.nvmlDeviceGetUUID(h)
+    name, uuid = (s.decode() if isinstance(s, bytes) else s for s in (name, uuid))
+    return GpuInfo(i, name, uuid, mem.total / 2**20, mem.used / 2**20)
+
+
+def _visible(gpus: list[GpuInfo], spec: str | None) -> list[GpuInfo]:
+    """Keep the GPUs a pre-set CUDA_VISIBLE_DEVICES allows (indexes or UUID prefixes)."""
+    if spec is None:
+        return gpus
+    keep = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        match = [g for g in gpus if (item.isdigit() and g.index == int(item))
+                 or (item.startswith("GPU-") and g.uuid.startswith(item))]
+        if not match:  # CUDA stops at the first invalid entry
+            break
+        keep += [g for g in match if g not in keep]
+    return keep
+
+
+def plan_gpus(gpus: Sequence[GpuInfo] | None = None, server_mem_fraction: float | None = None,
+              prefer: Literal["auto", "split", "colocated", "cpu"] = "auto",
+              release_server_memory: bool | None = None) -> GpuPlan:
+    """Plan roles for `gpus` (default: `list_gpus()`).
+
+    prefer: "auto" picks by count (0 → cpu, 1 → colocated, 2+ → split); "colocated" shares
+    GPU 0 even when there are more; "split" needs 2+ GPUs; "cpu" ignores the GPUs.
+    server_mem_fraction: the server's share of its GPU; default 0.45 colocated, else engine default.
+    release_server_memory: default True when colocated.
+    """
+    gpus = tuple(list_gpus() if gpus is None else gpus)
+    if prefer not in ("auto", *_MODES):
+        raise ValueError(f"prefer={prefer!r}; use one of 'auto', 'split', 'colocated', 'cpu'")
+    if server_mem_fraction is not None and not 0 < server_mem_fraction < 1:
+        raise ValueError(f"server_mem_fraction={server_mem_fraction} must be in (0, 1)")
+    mode = prefer
+    if prefer == "auto":
+        mode = "cpu" if not gpus else "colocated" if len(gpus) == 1 else "split"
+    if mode != "cpu" and not gpus:
+        require_gpu(gpus)
+    if mode == "split" and len(gpus) < 2:
+        raise ValueError(f"prefer='split' needs 2+ GPUs, found {len(gpus)}; use 'colocated' or 'auto'")
+    if mode == "cpu":
+        return GpuPlan("cpu", gpus=gpus)
+    first = gpus[0].index
+    if mode == "colocated":
+        return GpuPlan("colocated", (first,), (first,),
+                       server_mem_fraction or COLOCATED_MEM_FRACTION,
+                       True if release_server_memory is None else release_server_memory, gpus)
+    return GpuPlan("split", (first,), tuple(g.index for g in gpus[1:]), server_mem_fraction,
+                   bool(release_server_memory), gpus)
+
+
+def require_gpu(gpus: Sequence[GpuInfo] | None = None) -> list[GpuInfo]:
+    """Return the GPUs, or raise `NoGpuError` saying why none were found and what to do."""
+    gpus = list(list_gpus() if gpus is None else gpus)
+    if gpus:
+        return gpus
+    why = _last_nvml_error or "NVML reported no devices"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None:
+        why += f"; CUDA_VISIBLE_DEVICES={hidden!r} is set"
+    raise NoGpuError(
+        f"a GPU was asked for (engine sglang/vllm or a GPU plan) but none is present ({why}). "
+        "Try: `nvidia-smi` to check the driver, run on a GPU host, or use engine='cpu' "
+        "(the CPU engine) on this machine.")
+
+
+def apply_to_kernel(plan: GpuPlan) -> dict[str, str]:
+    """Set this process's CUDA_VISIBLE_DEVICES to the trainer's GPUs; returns what was set.
+
+    Must run before anything initialises CUDA in the kernel. Raises
+    `CudaAlreadyInitializedError` when CUDA is already up on GPUs the plan gives the server.
+    """
+    global _original_visible, _applied
+    env = plan.kernel_env()
+    current = _original_visible if _applied else os.environ.get("CUDA_VISIBLE_DEVICES")
+    if _cuda_initialized() and os.environ.get("CUDA_VISIBLE_DEVICES") != env["CUDA_VISIBLE_DEVICES"]:
+        seen = _seen_by_kernel(plan)
+        clash = sorted(set(seen) & set(plan.server_gpus) - set(plan.trainer_gpus))
+        if clash:
+            raise CudaAlreadyInitializedError(
+                f"CUDA is already initialised in this kernel (pid {os.getpid()}) with GPU(s) "
+                f"{_join(clash)} visible, and the plan gives those to the server; "
+                "CUDA_VISIBLE_DEVICES cannot change once CUDA is up. Try: restart the kernel and "
+                "run the GPU-plan cell before anything touches CUDA (torch.cuda, model.to('cuda')).")
+        log.warning("CUDA already initialised; the kernel keeps seeing GPU(s) %s, which does not "
+                    "clash with the server's", _join(seen))
+    if not _applied:
+        _original_visible, _applied = current, True
+    os.environ.update(env)
+    return env
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")  # never import torch here: that alone costs seconds
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def _seen_by_kernel(plan: GpuPlan) -> list[int]:
+    """Physical indexes visible to the kernel right now."""
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    everything = list(plan.gpus) or [GpuInfo(i, "?", "", 0, 0)
+                                     for i in set(plan.server_gpus) | set(plan.trainer_gpus)]
+    return [g.index for g in _visible(everything, spec)]
+
+
+def _join(indexes: Sequence[int]) -> str:
+    return ",".join(str(i) for i in indexes)

@@ -1,0 +1,443 @@
+"""Start, watch and stop the inference server — SGLang, vLLM or the CPU engine — from the kernel.
+
+What it does: `start_server(ServerConfig(...))` launches the engine with its own environment's
+interpreter (envs.py) as a subprocess of the notebook kernel, in its own process group, bound
+to 127.0.0.1 on a free port, output to `<run_dir>/<engine>.log`; it polls GET /health (with a
+tqdm bar) while watching the process, and raises with the log tail when start-up fails. A
+re-run cell with the same config gets the same live server back; a changed config replaces it.
+Each server is recorded on disk (procs.py) so a later kernel can stop the orphans of a dead one;
+servers this process started are stopped at exit. `build_command` / `build_env` are pure, so
+the engines' command lines are unit-tested without launching anything.
+
+What it does not: talk the engines' APIs (client.py, via `Server.client()`), including SGLang's
+memory release/resume around training in colocated mode (POST /release_memory_occupation and
+/resume_memory_occupation with {}; needs `enable_memory_saver=True`) — those are client calls.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields, replace
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Mapping
+
+from . import procs
+from .envs import ServerEnv, child_env, find_server_env
+from .procs import reap_orphans  # noqa: F401  (public here too)
+
+if TYPE_CHECKING:
+    from .gpus import GpuPlan
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("sglang", "vllm", "cpu")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The only --max-lora-rank values vLLM accepts."""
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ENTRY = {"sglang": "sglang.launch_server", "vllm": "vllm.entrypoints.openai.api_server",
+          "cpu": "artsg_nb.cpu_engine"}
+# Words in the log tail of a failed start → what to try. The first one means the port was taken.
+_HINTS = [
+    (("address already in use", "errno 98", "eaddrinuse"),
+     "another process holds the port: leave port=None to get a free one"),
+    (("out of memory", "outofmemoryerror", "not enough memory"),
+     "lower mem_fraction, or free GPU memory (nvidia-smi shows who holds it)"),
+    (("no module named", "modulenotfounderror", "importerror"),
+     "the server environment lacks a package: check find_server_env() and ARTSG_SERVER_PYTHONPATH"),
+    (("unrecognized arguments", "ambiguous option", "invalid choice", "error: argument"),
+     "this engine version rejects a flag: compare extra_args with `python -m <engine> --help`"),
+    (("no cuda gpus are available", "found no nvidia driver", "cuda driver"),
+     "the server sees no GPU: check the GPU plan (CUDA_VISIBLE_DEVICES) and nvidia-smi"),
+]
+
+
+class ServerError(RuntimeError):
+    """Base class of the server lifecycle errors."""
+
+
+class ServerStartError(ServerError):
+    """The server process exited during start-up (message: exit code, what to try, log tail)."""
+
+
+class ServerNotReady(ServerStartError):
+    """No 200 from /health before the start-up timeout; the process was stopped."""
+
+
+class PortInUseError(ServerStartError):
+    """The requested port is taken (checked before launch, or seen in the log on bind)."""
+
+
+@dataclass
+class ServerConfig:
+    """How to launch one inference server. Save with `asdict`, vary with `dataclasses.replace`."""
+    engine: Literal["sglang", "vllm", "cpu"]
+    """"sglang" (production), "vllm" (the baseline) or "cpu" (python -m artsg_nb.cpu_engine)."""
+    model_path: str
+    """Base model directory or hub id; also the served model name the client sends."""
+    run_dir: str | os.PathLike
+    """The log (`<engine>.log`) and the pid record (`<engine>.server.json`) go here."""
+    host: str = "127.0.0.1"
+    """Interface to bind; keep 127.0.0.1 unless the server must be reachable from elsewhere."""
+    port: int | None = None
+    """TCP port; None picks a free one. A given port that is busy raises PortInUseError."""
+    python: str | None = None
+    """Interpreter of the server environment; None: found by envs.find_server_env."""
+    max_lora_rank: int = 16
+    """Largest LoRA rank the server accepts (vLLM: one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
+    lora_target_modules: tuple[str, ...] = TARGET_MODULES
+    """Modules adapters may target (SGLang and the CPU engine; vLLM takes all it supports)."""
+    max_loras_per_batch: int = 4
+    """Adapters in one batch (SGLang --max-loras-per-batch, vLLM --max-loras)."""
+    mem_fraction: float | None = None
+    """Share of the GPU for weights + KV cache (SGLang --mem-fraction-static, vLLM
+    --gpu-memory-utilization); None takes gpu_plan.server_mem_fraction, else the engine default."""
+    gpu_plan: "GpuPlan | None" = None
+    """A gpus.GpuPlan: gives the server its CUDA_VISIBLE_DEVICES. None inherits the kernel's."""
+    api_key: str | None = None
+    """Bearer token the server requires (--api-key); the client sends it."""
+    enable_memory_saver: bool = False
+    """SGLang --enable-memory-saver, needed to release/resume memory around training (1 GPU)."""
+    schedule_policy: str | None = None
+    """SGLang --schedule-policy (e.g. "lpm", "fcfs"); None: SGLang's default."""
+    disable_radix_cache: bool = False
+    """Turn prefix caching off (SGLang/CPU --disable-radix-cache, vLLM --no-enable-prefix-caching)."""
+    extra_args: tuple[str, ...] = ()
+    """Appended to the command line, e.g. ("--attention-backend", "triton") for the GPU bundle."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment variables for the server process only."""
+    startup_timeout_s: float | None = None
+    """Seconds to wait for /health; None: 600 for sglang/vllm (first start compiles), 120 for cpu."""
+    _command_override: tuple[str, ...] | None = field(default=None, repr=False)
+    """Tests only: the command to run instead, with {python}, {host}, {port} filled in."""
+
+    def __post_init__(self):
+        self.model_path = os.fspath(self.model_path)
+        self.lora_target_modules = tuple(self.lora_target_modules)
+        self.extra_args = tuple(str(a) for a in self.extra_args)
+        self.env = dict(self.env)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r}; use one of {', '.join(ENGINES)}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank} must be ≥ 1")
+        if self.engine == "vllm" and self.max_lora_rank not in VLLM_LORA_RANKS:
+            ok = min(r for r in VLLM_LORA_RANKS if r >= self.max_lora_rank) if self.max_lora_rank <= 512 else 512
+            raise ValueError(f"vLLM accepts max_lora_rank only in {VLLM_LORA_RANKS}, got "
+                             f"{self.max_lora_rank}; use {ok} (adapters of smaller rank still load)")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            raise ValueError(f"mem_fraction={self.mem_fraction} must be in (0, 1)")
+        if self.port is not None and not 0 < self.port < 65536:
+            raise ValueError(f"port={self.port} is not a TCP port")
+
+    @property
+    def timeout_s(self) -> float:
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        return 120.0 if self.engine == "cpu" else 600.0
+
+    def resolved_mem_fraction(self) -> float | None:
+        """mem_fraction, else the GPU plan's; None for the CPU engine."""
+        if self.engine == "cpu":
+            return None
+        if self.mem_fraction is not None:
+            return self.mem_fraction
+        return getattr(self.gpu_plan, "server_mem_fraction", None)
+
+
+def build_command(cfg: ServerConfig, python: str | None = None, port: int | None = None) -> list[str]:
+    """The server's command line. `python`/`port` default to the config's (port must be set)."""
+    python = python or cfg.python or (sys.executable if cfg.engine == "cpu" else "python")
+    port = port or cfg.port
+    if port is None:
+        raise ValueError("build_command needs a port: set cfg.port or pass port=")
+    if cfg._command_override:
+        return [a.format(python=python, host=cfg.host, port=port) for a in cfg._command_override]
+    args = {"sglang": _sglang_args, "vllm": _vllm_args, "cpu": _cpu_args}[cfg.engine](cfg, port)
+    return [python, "-m", _ENTRY[cfg.engine], *args, *cfg.extra_args]
+
+
+def _sglang_args(cfg: ServerConfig, port: int) -> list[str]:
+    args = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
+            "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
+            "--lora-target-modules", *cfg.lora_target_modules,
+            "--max-loras-per-batch", str(cfg.max_loras_per_batch),
+            "--enable-metrics", "--enable-cache-report"]
+    if (mem := cfg.resolved_mem_fraction()) is not None:
+        args += ["--mem-fraction-static", f"{mem:g}"]
+    args += ["--api-key", cfg.api_key] if cfg.api_key else []
+    args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
+    args += ["--schedule-policy", cfg.schedule_policy] if cfg.schedule_policy else []
+    return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
+
+
+def _vllm_args(cfg: ServerConfig, port: int) -> list[str]:
+    args = ["--model", cfg.model_path, "--host", cfg.host, "--port", str(port),
+            "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
+            "--max-loras", str(cfg.max_loras_per_batch),
+            "--no-enable-prefix-caching" if cfg.disable_radix_cache else "--enable-prefix-caching",
+            "--logprobs-mode", "processed_logprobs",  # post-temperature, like SGLang (fact 4)
+            "--enable-prompt-tokens-details"]         # cached_tokens in usage
+    if (mem := cfg.resolved_mem_fraction()) is not None:
+        args += ["--gpu-memory-utilization", f"{mem:g}"]
+    return args + (["--api-key", cfg.api_key] if cfg.api_key else [])
+
+
+def _cpu_args(cfg: ServerConfig, port: int) -> list[str]:
+    args = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
+            "--max-lora-rank", str(cfg.max_lora_rank),
+            "--lora-target-modules", *cfg.lora_target_modules, "--enable-cache-report"]
+    args += ["--api-key", cfg.api_key] if cfg.api_key else []
+    return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
+
+
+def _ignored_options(cfg: ServerConfig) -> list[str]:
+    """Options the engine has no flag for (logged, not fatal: they only tune performance)."""
+    ignored = {"vllm": ["enable_memory_saver", "schedule_policy"],
+               "cpu": ["enable_memory_saver", "schedule_policy", "mem_fraction"]}.get(cfg.engine, [])
+    return [name for name in ignored if getattr(cfg, name)]
+
+
+def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables set for the server on top of the kernel's environment (GPU plan, engine
+    switches, the server environment's `extra_env`, then `cfg.env`, later ones winning)."""
+    env = {"PYTHONUNBUFFERED": "1"}  # the log tail shows the latest lines, not a stale buffer
+    if cfg.gpu_plan is not None:
+        env.update(cfg.gpu_plan.server_env())
+    if cfg.engine == "vllm":
+        env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",  # /v1/load_lora_adapter exists only with it
+                   VLLM_SERVER_DEV_MODE="1")              # /reset_prefix_cache, /sleep, /wake_up
+    env.update(extra_env or {})
+    env.update(cfg.env)
+    return env
+
+
+def config_hash(cfg: ServerConfig) -> str:
+    """Hash of what shapes the running server (not the start-up timeout, not GPU memory readings)."""
+    d = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("startup_timeout_s", "gpu_plan")}
+    d["run_dir"] = str(Path(cfg.run_dir).resolve())
+    plan = cfg.gpu_plan
+    d["gpu_plan"] = None if plan is None else [plan.server_env(), getattr(plan, "server_mem_fraction", None)]
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Server:
+    """One server process: `start()`, `stop()`, `restart()`, `alive()`, `log_tail()`, `client()`.
+
+    A context manager: `with start_server(cfg) as server: ...` stops it on exit.
+    """
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.proc = None
+        self.port: int | None = config.port
+        self.record: procs.ProcessRecord | None = None
+        self.server_env: ServerEnv | None = None
+        self.log_path = Path(config.run_dir).resolve() / f"{config.engine}.log"
+        self.config_hash = config_hash(config)
+        self._log_offset = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def url(self) -> str:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.config.host, self.config.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def alive(self) -> bool:
+        """Is the server process running? (Not whether it answers: see client.health.)"""
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> "Server":
+        """Launch and wait for /health; returns self. A no-op when already running."""
+        if self.alive():
+            return self
+        self.stop(timeout_s=5)  # after a crash: workers it left behind, its records
+        cfg = self.config
+        reap_orphans()
+        self._check_run_dir_record()
+        for name in _ignored_options(cfg):
+            log.warning("%s has no equivalent on engine %r; ignored", name, cfg.engine)
+        self.server_env = (ServerEnv(cfg.python or sys.executable, cfg.engine, "test", {}, "override")
+                           if cfg._command_override else find_server_env(cfg.engine, cfg.python))
+        for attempt in range(3):
+            self.port = self._choose_port()
+            self._launch()
+            try:
+                self._wait_ready()
+                return self
+            except PortInUseError:
+                if cfg.port is not None or attempt == 2:
+                    raise
+                log.info("port %d was taken while starting; retrying on another", self.port)
+                self.port = None
+            except BaseException:  # includes an interrupted cell: never leave a half-started server
+                self.stop(timeout_s=5)
+                raise
+        raise AssertionError("unreachable")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, wait up to `timeout_s`, SIGKILL it. Safe to call again."""
+        if self.record is None:
+            return
+        how = procs.stop_group(self.record.pgid, timeout_s, proc=self.proc)
+        log.info("%s server pid %d stopped (%s)", self.config.engine, self.record.pid, how)
+        self.record.remove()
+        self.record = None
+        _LIVE.discard(self)
+
+    def restart(self) -> "Server":
+        """Stop and start again with the same config (and the same port when it is free)."""
+        self.stop()
+        return self.start()
+
+    def client(self):
+        """An async client for this engine (client.make_client)."""
+        from .client import make_client
+        return make_client(self.config.engine, self.url, self.config.model_path, api_key=self.config.api_key)
+
+    def log_tail(self, n: int = 20) -> str:
+        """The last `n` lines this start wrote to the log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self._log_offset, f.seek(0, 2) - 256 * 1024))
+                lines = f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return f"(no log at {self.log_path})"
+        return "\n".join(lines[-n:])
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}, up" if self.alive() else "stopped"
+        return f"<Server {self.config.engine} {self.url} ({state}), log {self.log_path}>"
+
+    # ---- start-up steps ------------------------------------------------------------------
+    def _choose_port(self) -> int:
+        host, port = self.config.host, self.config.port
+        if port is not None:
+            if not procs.port_is_free(host, port):
+                owner = procs.port_owner(port)
+                raise PortInUseError(
+                    f"port {port} on {host} is already in use{f' by {owner}' if owner else ''}. "
+                    "Try: port=None to get a free port, stop the other server, or "
+                    "artsg_nb.server.reap_orphans() if a dead kernel left it running.")
+            return port
+        if self.port is not None and procs.port_is_free(host, self.port):
+            return self.port  # a restart keeps the URL the client knows
+        return procs.pick_free_port(host)
+
+    def _launch(self) -> None:
+        cfg = self.config
+        cmd = build_command(cfg, self.server_env.python, self.port)
+        env = child_env(cfg.engine, build_env(cfg, self.server_env.extra_env))
+        shown = ["***" if cfg.api_key and a == cfg.api_key else a for a in cmd]
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        header = f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: {' '.join(shown)}\n"
+        self.proc = procs.spawn(cmd, env, self.log_path, header)
+        self.record = procs.ProcessRecord.of_child(
+            self.proc.pid, port=self.port, host=cfg.host, engine=cfg.engine, run_dir=str(self.log_path.parent),
+            log_path=str(self.log_path), config_hash=self.config_hash, command=shown)
+        self.record.save()
+        _LIVE.add(self)
+        log.info("started %s (%s %s) pid %d on %s, log %s", cfg.engine, self.server_env.python,
+                 self.server_env.version, self.proc.pid, self.url, self.log_path)
+
+    def _wait_ready(self) -> None:
+        import httpx
+        from tqdm.auto import tqdm
+
+        cfg, t0 = self.config, time.monotonic()
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        bar = tqdm(total=round(cfg.timeout_s), desc=f"{cfg.engine} starting on {self.url}",
+                   unit="s", leave=False, bar_format="{desc}: {n:.0f}/{total} s")
+        with bar, httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), headers=headers) as http:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise self._exit_error(code, time.monotonic() - t0)
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        log.info("%s ready on %s after %.1f s", cfg.engine, self.url, time.monotonic() - t0)
+                        return
+                except httpx.HTTPError:
+                    pass  # not listening yet, or accepted but not answering (vLLM while loading)
+                elapsed = time.monotonic() - t0
+                if elapsed > cfg.timeout_s:
+                    tail = self.log_tail(20)
+                    self.stop()
+                    raise ServerNotReady(
+                        f"no /health on {cfg.host}:{self.port} after {cfg.timeout_s:.0f} s; the "
+                        f"{cfg.engine} process (still running) was stopped. Try: a larger "
+                        f"startup_timeout_s (a first start compiles kernels), or read the log. "
+                        f"Last 20 lines of {self.log_path}:\n{tail}")
+                bar.update(min(round(elapsed), bar.total) - bar.n)
+                time.sleep(0.25)
+
+    def _exit_error(self, code: int, elapsed_s: float) -> ServerStartError:
+        tail = self.log_tail(20)
+        self.stop(timeout_s=5)  # workers it forked may still be alive
+        hint, cls = "read the log, or run the command by hand (first line of the log)", ServerStartError
+        for i, (needles, what) in enumerate(_HINTS):
+            if any(s in tail.lower() for s in needles):
+                hint, cls = what, (PortInUseError if i == 0 else ServerStartError)
+                break
+        return cls(f"{self.config.engine} server exited with code {code} {elapsed_s:.1f} s into "
+                   f"start-up on {self.config.host}:{self.port}. Try: {hint}. "
+                   f"Last 20 lines of {self.log_path}:\n{tail}")
+
+    def _check_run_dir_record(self) -> None:
+        """Refuse to start over a live server of another kernel in the same run_dir; stop one
+        that this process (after a module reload) or a dead one left there."""
+        rec = procs.ProcessRecord.load(self.log_path.parent / f"{self.config.engine}.server.json")
+        if rec is None or not rec.server_alive():
+            return
+        if rec.owner_alive() and rec.owner_pid != os.getpid():
+            raise ServerStartError(
+                f"a {rec.engine} server (pid {rec.pid}, port {rec.port}) already runs for "
+                f"{rec.run_dir}, started by another live process (pid {rec.owner_pid}). "
+                "Try: stop it from there, or use another run_dir.")
+        log.warning("stopping the %s server pid %d left in %s", rec.engine, rec.pid, rec.run_dir)
+        procs.stop_group(rec.pgid)
+        rec.remove()
+
+
+_REGISTRY: dict[tuple[str, str], Server] = {}   # (run_dir, engine) → the server start_server gave
+_LIVE: set[Server] = set()                       # started by this process, stopped at exit
+
+
+def start_server(cfg: ServerConfig | None = None, **overrides) -> Server:
+    """Start a server for `cfg`, or return the live one a previous call started with the same
+    config (a re-run cell). A different config for the same run_dir/engine replaces it.
+    Keyword arguments build the config, or replace fields of `cfg`."""
+    cfg = replace(cfg, **overrides) if cfg is not None else ServerConfig(**overrides)
+    key = (str(Path(cfg.run_dir).resolve()), cfg.engine)
+    old = _REGISTRY.get(key)
+    if old is not None and old.alive() and old.config_hash == config_hash(cfg):
+        log.info("reusing %s server pid %d on %s", cfg.engine, old.pid, old.url)
+        return old
+    if old is not None:
+        log.info("config changed for %s; stopping the old %s server", key[0], cfg.engine)
+        old.stop()
+    server = _REGISTRY[key] = Server(cfg)
+    return server.start()
+
+
+def stop_all() -> None:
+    """Stop every server this process started."""
+    for server in list(_LIVE):
+        if server.record is not None and server.record.owner_pid == os.getpid():  # not in a fork
+            server.stop(timeout_s=5)
+
+
+atexit.register(stop_all)

@@ -1,0 +1,147 @@
+"""GPU planning on described device lists (no GPU needed), NVML reading through a fake pynvml,
+and the kernel-side CUDA_VISIBLE_DEVICES rules."""
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from artsg_nb import gpus
+from artsg_nb.gpus import (CudaAlreadyInitializedError, GpuInfo, NoGpuError, apply_to_kernel,
+                           plan_gpus, require_gpu)
+
+
+def h200s(n: int) -> list[GpuInfo]:
+    return [GpuInfo(i, "NVIDIA H200", f"GPU-{i:04d}", 143771.0, 512.0) for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def kernel_env(monkeypatch):
+    """Each test starts as a fresh kernel: no CUDA_VISIBLE_DEVICES, no plan applied, no torch CUDA."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    monkeypatch.setattr(gpus, "_applied", False)
+    monkeypatch.setattr(gpus, "_original_visible", None)
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: False)))
+
+
+# ---- plan_gpus ------------------------------------------------------------------------------
+def test_no_gpu_is_cpu():
+    plan = plan_gpus([])
+    assert (plan.mode, plan.server_gpus, plan.trainer_gpus) == ("cpu", (), ())
+    assert plan.trainer_devices == ["cpu"] and plan.server_mem_fraction is None
+    assert plan.server_env()["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_one_gpu_is_colocated():
+    plan = plan_gpus(h200s(1))
+    assert (plan.mode, plan.server_gpus, plan.trainer_gpus) == ("colocated", (0,), (0,))
+    assert plan.server_mem_fraction == 0.45 and plan.release_server_memory
+    assert plan.trainer_devices == ["cuda:0"]
+    assert plan.server_env() == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_two_or_more_gpus_split(n):
+    plan = plan_gpus(h200s(n))
+    assert plan.mode == "split" and plan.server_gpus == (0,)
+    assert plan.trainer_gpus == tuple(range(1, n))
+    assert plan.trainer_devices == [f"cuda:{i}" for i in range(n - 1)]  # renumbered in the kernel
+    assert plan.server_env()["CUDA_VISIBLE_DEVICES"] == "0"
+    assert plan.kernel_env()["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(1, n)))
+    assert plan.server_mem_fraction is None and not plan.release_server_memory
+
+
+def test_split_uses_physical_indexes_of_visible_gpus():
+    plan = plan_gpus([GpuInfo(2, "A", "GPU-2", 1, 0), GpuInfo(5, "A", "GPU-5", 1, 0)])
+    assert (plan.server_gpus, plan.trainer_gpus) == ((2,), (5,))
+
+
+def test_overrides():
+    assert plan_gpus(h200s(4), prefer="colocated").server_gpus == (0,)
+    assert plan_gpus(h200s(4), prefer="cpu").mode == "cpu"
+    assert plan_gpus(h200s(2), server_mem_fraction=0.8).server_mem_fraction == 0.8
+    plan = plan_gpus(h200s(1), server_mem_fraction=0.3, release_server_memory=False)
+    assert plan.server_mem_fraction == 0.3 and not plan.release_server_memory
+    with pytest.raises(ValueError, match="needs 2\\+ GPUs"):
+        plan_gpus(h200s(1), prefer="split")
+    with pytest.raises(NoGpuError):
+        plan_gpus([], prefer="colocated")
+    with pytest.raises(ValueError, match="prefer="):
+        plan_gpus(h200s(1), prefer="fast")
+    with pytest.raises(ValueError, match=r"\(0, 1\)"):
+        plan_gpus(h200s(1), server_mem_fraction=1.0)
+
+
+def test_describe_names_roles():
+    text = plan_gpus(h200s(3)).describe()
+    assert text.splitlines()[0] == "GPU plan: split: server on GPU 0, trainer on GPU 1,2"
+    assert "→ server" in text.splitlines()[1] and "→ trainer" in text.splitlines()[3]
+    assert "server+trainer" in plan_gpus(h200s(1)).describe()
+    assert "CPU engine" in plan_gpus([]).describe()
+
+
+# ---- list_gpus / require_gpu ----------------------------------------------------------------
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_pynvml(devices: list[tuple[str, str, int, int]], fail: bool = False):
+    def init():
+        if fail:
+            raise FakeNVMLError("Driver Not Loaded")
+    return SimpleNamespace(
+        NVMLError=FakeNVMLError, nvmlInit=init, nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: len(devices),
+        nvmlDeviceGetHandleByIndex=lambda i: devices[i],
+        nvmlDeviceGetName=lambda h: h[0].encode(), nvmlDeviceGetUUID=lambda h: h[1],
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=h[2] * 2**20, used=h[3] * 2**20))
+
+
+def test_list_gpus_reads_nvml(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([("H200", "GPU-aa", 1000, 10), ("H200", "GPU-bb", 1000, 20)]))
+    assert gpus.list_gpus() == [GpuInfo(0, "H200", "GPU-aa", 1000.0, 10.0), GpuInfo(1, "H200", "GPU-bb", 1000.0, 20.0)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bb")  # set before us (a shared host): respected
+    assert [g.index for g in gpus.list_gpus()] == [1]
+
+
+def test_no_driver_is_an_empty_list_and_require_gpu_explains(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([], fail=True))
+    assert gpus.list_gpus() == []
+    with pytest.raises(NoGpuError, match="Driver Not Loaded.*engine='cpu'"):
+        require_gpu()
+    assert require_gpu(h200s(1)) == h200s(1)
+
+
+def test_visible_filter():
+    assert [g.index for g in gpus._visible(h200s(4), "3,1")] == [3, 1]
+    assert gpus._visible(h200s(4), "") == []
+    assert [g.index for g in gpus._visible(h200s(4), "1,7,2")] == [1]  # CUDA stops at an invalid id
+    assert len(gpus._visible(h200s(4), None)) == 4
+
+
+# ---- apply_to_kernel ------------------------------------------------------------------------
+def test_apply_sets_trainer_devices_and_remembers_the_original(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([("H200", f"GPU-{i}", 1000, 0) for i in range(4)]))
+    plan = plan_gpus(gpus.list_gpus())
+    assert apply_to_kernel(plan)["CUDA_VISIBLE_DEVICES"] == "1,2,3"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,2,3" and os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert len(gpus.list_gpus()) == 4  # re-planning still sees every GPU, not just the trainer's
+    assert plan_gpus(gpus.list_gpus()) == plan
+    apply_to_kernel(plan)  # idempotent
+
+
+def test_cuda_already_initialised_on_server_gpu_raises(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True)))
+    with pytest.raises(CudaAlreadyInitializedError, match="restart the kernel and run the GPU-plan cell"):
+        apply_to_kernel(plan_gpus(h200s(2)))
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_cuda_initialised_without_clash_is_allowed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: True)))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the kernel only ever saw the trainer's GPU
+    apply_to_kernel(plan_gpus(h200s(2)))
+    apply_to_kernel(plan_gpus(h200s(1)))  # colocated: sharing GPU 0 is the plan

@@ -1,0 +1,338 @@
+"""Server lifecycle against a fake engine (a tiny http.server answering /health), command lines
+of the real engines against the reference flags, and — once artsg_nb.cpu_engine exists — one
+start/stop of the real CPU engine through the notebook's code path."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from artsg_nb import procs, server
+from artsg_nb.gpus import GpuInfo, plan_gpus
+from artsg_nb.server import (PortInUseError, ServerConfig, ServerNotReady, ServerStartError,
+                             build_command, build_env, start_server)
+
+FAKE_ENGINE = r'''
+import argparse, http.server, signal, subprocess, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--host"); p.add_argument("--port", type=int)
+p.add_argument("--delay", type=float, default=0.0)
+p.add_argument("--exit-code", type=int)
+p.add_argument("--ignore-term", action="store_true")
+p.add_argument("--child-pid-file")
+p.add_argument("--bind-port", type=int)
+a = p.parse_args()
+print("fake engine starting", flush=True)
+if a.ignore_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if a.child_pid_file:  # a worker, like SGLang's scheduler processes
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(a.child_pid_file, "w").write(str(child.pid))
+if a.exit_code is not None:
+    for i in range(30):
+        print(f"loading shard {i}")
+    print("RuntimeError: fake failure")
+    sys.exit(a.exit_code)
+time.sleep(a.delay)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+
+httpd = http.server.HTTPServer((a.host, a.bind_port or a.port), Health)
+print("fake engine ready", flush=True)
+httpd.serve_forever()
+'''
+
+FAKE_KERNEL = r'''
+import json, sys, time
+from artsg_nb.server import ServerConfig, start_server
+s = start_server(ServerConfig(engine="cpu", model_path="fake", run_dir=sys.argv[1],
+                              _command_override=tuple(json.loads(sys.argv[2]))))
+print(s.port, s.pid, flush=True)
+time.sleep(600)
+'''
+
+
+@pytest.fixture(scope="module", autouse=True)
+def state_dir(tmp_path_factory):
+    """Records go to a private directory; at the end nothing may be left running."""
+    path = tmp_path_factory.mktemp("state")
+    old = os.environ.get(procs.STATE_DIR_VAR)
+    os.environ[procs.STATE_DIR_VAR] = str(path)
+    yield path
+    leaks = [s for s in list(server._LIVE)]
+    server.stop_all()
+    children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    records = list(path.glob("*.json"))
+    if old is None:
+        os.environ.pop(procs.STATE_DIR_VAR)
+    else:
+        os.environ[procs.STATE_DIR_VAR] = old
+    assert not leaks, f"servers left running by tests: {leaks}"
+    assert not children, f"processes left behind: {[p.cmdline() for p in children]}"
+    assert not records, f"records left behind: {records}"
+
+
+@pytest.fixture(scope="module")
+def fake_engine(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fake") / "fake_engine.py"
+    path.write_text(FAKE_ENGINE)
+    return path
+
+
+def fake_cfg(fake_engine, run_dir, *args, **kw) -> ServerConfig:
+    cmd = ("{python}", str(fake_engine), "--host", "{host}", "--port", "{port}", *args)
+    return ServerConfig(engine="cpu", model_path="fake", run_dir=str(run_dir),
+                        _command_override=cmd, **kw)
+
+
+def health(srv) -> int:
+    return httpx.get(f"{srv.url}/health", timeout=2).status_code
+
+
+def gone(pid: int, started: float | None) -> bool:
+    return not procs.is_running(pid, started)
+
+
+# ---- lifecycle with the fake engine ---------------------------------------------------------
+def test_start_ready_records_stop(fake_engine, tmp_path, state_dir):
+    srv = server.Server(fake_cfg(fake_engine, tmp_path)).start()
+    assert srv.alive() and health(srv) == 200
+    assert srv.url.startswith("http://127.0.0.1:")
+    rec = json.loads((tmp_path / "cpu.server.json").read_text())
+    assert rec["pid"] == srv.pid and rec["port"] == srv.port and rec["owner_pid"] == os.getpid()
+    assert len(list(state_dir.glob("*.json"))) == 1
+    assert os.getpgid(srv.pid) == srv.pid  # leads its own process group
+    assert "fake engine ready" in srv.log_tail()
+    pid, started = srv.pid, srv.record.create_time
+    srv.stop()
+    srv.stop()  # idempotent
+    assert not srv.alive() and gone(pid, started)
+    assert not (tmp_path / "cpu.server.json").exists() and not list(state_dir.glob("*.json"))
+    assert procs.port_is_free("127.0.0.1", srv.port)
+
+
+def test_context_manager_and_restart_keeps_port(fake_engine, tmp_path):
+    with start_server(fake_cfg(fake_engine, tmp_path)) as srv:
+        port, pid = srv.port, srv.pid
+        srv.restart()
+        assert srv.port == port and srv.pid != pid and health(srv) == 200
+    assert not srv.alive()
+
+
+def test_exit_during_start_shows_log_tail(fake_engine, tmp_path):
+    cfg = fake_cfg(fake_engine, tmp_path, "--exit-code", "3")
+    with pytest.raises(ServerStartError) as err:
+        start_server(cfg)
+    msg = str(err.value)
+    assert "exited with code 3" in msg and "Try:" in msg
+    assert f"Last 20 lines of {tmp_path / 'cpu.log'}" in msg
+    assert "RuntimeError: fake failure" in msg and "loading shard 11" in msg
+    assert "loading shard 10\n" not in msg  # only the last 20 lines
+    assert not isinstance(err.value, ServerNotReady)
+    assert not (tmp_path / "cpu.server.json").exists()
+
+
+def test_timeout_raises_not_ready_and_stops(fake_engine, tmp_path):
+    cfg = fake_cfg(fake_engine, tmp_path, "--delay", "60", startup_timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ServerNotReady) as err:
+        start_server(cfg)
+    assert time.monotonic() - t0 < 10
+    assert "no /health on 127.0.0.1:" in str(err.value) and "after 1 s" in str(err.value)
+    assert "fake engine starting" in str(err.value)
+    assert not server._LIVE
+
+
+def test_given_port_busy_raises_before_launch(fake_engine, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
+            start_server(fake_cfg(fake_engine, tmp_path, port=port))
+    assert not (tmp_path / "cpu.log").exists()  # nothing was launched
+
+
+def test_bind_failure_in_log_is_port_in_use(fake_engine, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        with pytest.raises(PortInUseError, match="Address already in use"):
+            start_server(fake_cfg(fake_engine, tmp_path, "--bind-port", str(busy)))
+
+
+def test_idempotent_start_and_config_change(fake_engine, tmp_path):
+    cfg = fake_cfg(fake_engine, tmp_path)
+    first = start_server(cfg)
+    again = start_server(fake_cfg(fake_engine, tmp_path, startup_timeout_s=30))  # timeout only
+    assert again is first and again.pid == first.pid
+    old_pid, old_started = first.pid, first.record.create_time
+    changed = start_server(fake_cfg(fake_engine, tmp_path, max_lora_rank=32))
+    assert changed is not first and changed.alive() and gone(old_pid, old_started)
+    changed.stop()
+    assert start_server(fake_cfg(fake_engine, tmp_path, max_lora_rank=32)) is not changed  # dead → new
+    server._REGISTRY[(str(tmp_path.resolve()), "cpu")].stop()
+
+
+def test_sigkill_when_sigterm_is_ignored(fake_engine, tmp_path):
+    srv = start_server(fake_cfg(fake_engine, tmp_path, "--ignore-term"))
+    t0 = time.monotonic()
+    srv.stop(timeout_s=0.5)
+    assert srv.proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 5
+
+
+def test_stop_kills_the_whole_process_group(fake_engine, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    srv = start_server(fake_cfg(fake_engine, tmp_path, "--child-pid-file", str(pid_file)))
+    child = int(pid_file.read_text())
+    child_started = procs.create_time(child)
+    assert procs.is_running(child, child_started) and os.getpgid(child) == srv.pid
+    srv.stop()
+    deadline = time.monotonic() + 5
+    while not gone(child, child_started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(child, child_started)
+
+
+def test_orphans_of_a_dead_kernel_are_reaped(fake_engine, tmp_path, state_dir):
+    mine = start_server(fake_cfg(fake_engine, tmp_path / "mine"))  # a live owner's server: kept
+    cmd = ["{python}", str(fake_engine), "--host", "{host}", "--port", "{port}"]
+    kernel = subprocess.Popen([sys.executable, "-c", FAKE_KERNEL, str(tmp_path / "dead"), json.dumps(cmd)],
+                              stdout=subprocess.PIPE, text=True)
+    port, pid = map(int, kernel.stdout.readline().split())
+    orphan_started = procs.create_time(pid)
+    kernel.send_signal(signal.SIGKILL)  # the kernel dies without running atexit
+    kernel.wait()
+    kernel.stdout.close()
+    assert procs.is_running(pid, orphan_started) and not procs.port_is_free("127.0.0.1", port)
+
+    fresh = start_server(fake_cfg(fake_engine, tmp_path / "fresh"))  # reaps on start
+    assert gone(pid, orphan_started) and procs.port_is_free("127.0.0.1", port)
+    assert not (tmp_path / "dead" / "cpu.server.json").exists()
+    assert mine.alive() and fresh.alive()
+    assert server.reap_orphans() == []
+    mine.stop()
+    fresh.stop()
+
+
+def test_reaper_leaves_a_recycled_pid_alone(tmp_path, state_dir):
+    """A record whose pid now belongs to another process is deleted, the process is not touched."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        rec = procs.ProcessRecord(pid=bystander.pid, create_time=procs.create_time(bystander.pid) - 100,
+                                  port=1, host="127.0.0.1", engine="cpu", run_dir=str(tmp_path),
+                                  log_path="x", config_hash="h", owner_pid=2**22 + 7,
+                                  owner_create_time=0.0, started_at="then")
+        rec.save()
+        assert server.reap_orphans() == []
+        assert bystander.poll() is None and not list(state_dir.glob("*.json"))
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+# ---- command lines (no launch) --------------------------------------------------------------
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+BUNDLE = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+          "--cuda-graph-max-bs", "80")
+
+
+def test_sglang_command_matches_gpu_readme():
+    cfg = ServerConfig("sglang", "MODEL_DIR", "runs/x", port=30000, mem_fraction=0.5, extra_args=BUNDLE)
+    assert build_command(cfg, python="python3") == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "MODEL_DIR", "--host", "127.0.0.1",
+        "--port", "30000", "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", *MODULES,
+        "--max-loras-per-batch", "4", "--enable-metrics", "--enable-cache-report",
+        "--mem-fraction-static", "0.5", *BUNDLE]
+
+
+def test_sglang_optional_flags_and_plan():
+    plan = plan_gpus([GpuInfo(0, "H200", "GPU-a", 143771, 0)])
+    cfg = ServerConfig("sglang", "M", "r", port=1, gpu_plan=plan, api_key="s3cret", enable_memory_saver=True,
+                       schedule_policy="lpm", disable_radix_cache=True, lora_target_modules=["all"])
+    cmd = build_command(cfg, python="py")
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.45"  # from the colocated plan
+    assert cmd[cmd.index("--lora-target-modules") + 1:cmd.index("--max-loras-per-batch")] == ["all"]
+    for flag in ("--enable-memory-saver", "--disable-radix-cache"):
+        assert flag in cmd
+    assert cmd[cmd.index("--api-key") + 1] == "s3cret" and cmd[cmd.index("--schedule-policy") + 1] == "lpm"
+    env = build_env(cfg)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["PYTHONUNBUFFERED"] == "1"
+    assert "--mem-fraction-static" not in build_command(ServerConfig("sglang", "M", "r", port=1), "py")
+
+
+def test_vllm_command_and_env_match_gpu_readme():
+    cfg = ServerConfig("vllm", "MODEL_DIR", "r", port=8000, mem_fraction=0.5,
+                       extra_args=("--attention-backend", "TRITON_ATTN"), env={"VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    assert build_command(cfg, python="python3") == [
+        "python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "MODEL_DIR",
+        "--host", "127.0.0.1", "--port", "8000", "--enable-lora", "--max-lora-rank", "16",
+        "--max-loras", "4", "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
+        "--enable-prompt-tokens-details", "--gpu-memory-utilization", "0.5",
+        "--attention-backend", "TRITON_ATTN"]
+    env = build_env(cfg, extra_env={"PYTHONPATH": "/tmp/vsite"})
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["PYTHONPATH"] == "/tmp/vsite" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    no_cache = build_command(ServerConfig("vllm", "M", "r", port=1, disable_radix_cache=True), "py")
+    assert "--no-enable-prefix-caching" in no_cache and "--enable-prefix-caching" not in no_cache
+
+
+@pytest.mark.parametrize("rank", [2, 4, 48, 100, 1024])
+def test_vllm_rejects_ranks_it_does_not_support(rank):
+    with pytest.raises(ValueError, match="vLLM accepts max_lora_rank only in"):
+        ServerConfig("vllm", "M", "r", max_lora_rank=rank)
+    ServerConfig("sglang", "M", "r", max_lora_rank=rank)  # SGLang takes any rank
+
+
+def test_cpu_engine_command():
+    cfg = ServerConfig("cpu", "/m", "r", port=5, api_key="k", disable_radix_cache=True, mem_fraction=0.3)
+    assert build_command(cfg, python="py") == [
+        "py", "-m", "artsg_nb.cpu_engine", "--model-path", "/m", "--host", "127.0.0.1", "--port", "5",
+        "--max-lora-rank", "16", "--lora-target-modules", *MODULES, "--enable-cache-report",
+        "--api-key", "k", "--disable-radix-cache"]
+    assert cfg.timeout_s == 120 and ServerConfig("sglang", "/m", "r").timeout_s == 600
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="engine="):
+        ServerConfig("tgi", "M", "r")
+    with pytest.raises(ValueError, match="mem_fraction"):
+        ServerConfig("sglang", "M", "r", mem_fraction=1.5)
+    with pytest.raises(ValueError, match="needs a port"):
+        build_command(ServerConfig("sglang", "M", "r"))
+
+
+# ---- the real CPU engine --------------------------------------------------------------------
+HAS_CPU_ENGINE = importlib.util.find_spec("artsg_nb.cpu_engine") is not None
+
+
+@pytest.mark.skipif(not HAS_CPU_ENGINE, reason="artsg_nb/cpu_engine.py is not written yet")
+def test_real_cpu_engine_starts_and_stops(tmp_path):
+    from artsg_nb.tiny_model import default_model_dir
+
+    cfg = ServerConfig(engine="cpu", model_path=str(default_model_dir(pretrain_steps=0)), run_dir=str(tmp_path))
+    srv = start_server(cfg)
+    try:
+        assert health(srv) == 200
+        assert start_server(cfg) is srv
+    finally:
+        pid, started = srv.pid, srv.record.create_time
+        srv.stop()
+    assert gone(pid, started) and not srv.alive()

@@ -1,0 +1,400 @@
+"""Benchmarks shaped like GRPO rollouts: throughput, latency, prefix-cache hit rate, reload time.
+
+What it does: for each engine setting (radix cache on/off) it starts the server (server.py; or
+uses `--server-url`), then for each submission schedule (rollout.SCHEDULES) plays P prompts x
+G samples x T turns of synthetic text (bench_workloads.SyntheticTask, fixed output length via
+ignore_eos) through the toolkit's own `collect_groups`, and measures:
+  wall time, output and total tokens/s, TTFT p50/p95 (streamed first token), end-to-end
+  latency p50/p95, the hit rate from the server's counters (metrics.cache_counters before and
+  after) and from per-request cached tokens, the theoretical maximum hit rate, and the adapter
+  reload latency (PEFT save + load_adapter + the first request the new adapter serves).
+With raw mode on, the same token payloads are replayed with plain httpx (no toolkit client) so
+the toolkit's throughput can be given as a fraction of the raw engine's (goal >= 0.95).
+Rows come back as a pandas DataFrame (one per engine x radix x schedule x mode x repeat), saved
+to CSV with date, hardware, engine version and flags. The cache is flushed between runs and
+each run uses fresh prompts.
+
+    python -m artsg_nb.bench --engine cpu --groups 2 --group-size 4 --prompt-tokens 256 \
+        --new-tokens 16 --schedule naive,prefix,n
+
+What it does not do: plot (plots.plot_engine_comparison) or decide anything; it reports.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from .bench_workloads import (RAW_SCHEDULES, RecordingClient, SyntheticTask, raw_plans, replay_raw,
+                              theoretical_hit_rate)
+from .client import SamplingParams, run_sync
+from .metrics import cache_counters, hit_rate
+from .rollout import SCHEDULES, collect_groups, rollout_stats
+
+log = logging.getLogger(__name__)
+
+COLUMNS = [
+    "date", "hardware", "engine", "engine_version", "model", "mode", "schedule", "radix", "repeat",
+    "groups", "group_size", "turns", "prompt_tokens", "new_tokens", "stream_all", "requests",
+    "samples", "failed", "mean_prompt_tokens", "wall_s", "out_tok_s", "total_tok_s",
+    "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", "hit_rate_server", "hit_rate_requests",
+    "hit_rate_theoretical", "hit_vs_theoretical", "raw_fraction", "flushed", "reload_save_s",
+    "reload_load_s", "reload_first_s", "reload_s", "flags"]
+"""Columns of a benchmark DataFrame (plots.plot_engine_comparison reads them by name)."""
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark invocation (the CLI flags, one field each)."""
+
+    engine: str = "cpu"
+    """"cpu", "sglang" or "vllm"."""
+    model_path: str | None = None
+    """Model directory; None: the tiny model (cpu) or its 0.5B-shaped sibling (GPU engines)."""
+    groups: int = 8
+    """P: prompts (GRPO groups) per run."""
+    group_size: int = 8
+    """G: samples per prompt."""
+    prompt_tokens: int = 1500
+    """Turn-1 prompt length, chat template included (approximate: text is re-tokenised)."""
+    new_tokens: int = 128
+    """Tokens generated per model turn (fixed: ignore_eos)."""
+    turns: int = 1
+    """T: model turns per episode."""
+    env_tokens: int = 32
+    """Length of each env message between turns."""
+    schedules: tuple[str, ...] = ("naive", "prefix")
+    """Submission schedules to compare (rollout.SCHEDULES)."""
+    radix: tuple[bool, ...] = (True,)
+    """Prefix cache settings to start the server with (one server per setting)."""
+    raw: bool = True
+    """Also replay each run with plain httpx (schedules in bench_workloads.RAW_SCHEDULES)."""
+    stream_all: bool = True
+    """Stream every request so each has a TTFT (else only the schedule's leaders stream)."""
+    reload: bool = True
+    """Measure adapter save + load + first request."""
+    reload_repeats: int = 3
+    """Adapter versions loaded for the reload figure (medians are reported)."""
+    repeats: int = 1
+    """Runs of each schedule."""
+    warmup: int = 1
+    """Unrecorded runs before measuring (first-request and compilation costs)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    concurrency: int | None = None
+    """Requests in flight; None: all of them (P x G)."""
+    server_url: str | None = None
+    """Use this running server instead of starting one (radix then only labels the rows)."""
+    run_dir: str = "runs/bench"
+    """Server logs and the adapters saved for the reload figure."""
+    extra_args: tuple[str, ...] = ()
+    """Extra server command-line arguments (e.g. the GPU bundle's --attention-backend triton)."""
+    out: str | None = None
+    """CSV path; None: benchmarks/results/<date>-<engine>-<hardware>.csv."""
+    flags: str = ""
+    """The command line, recorded in each row."""
+    seed: int = 0
+    """Base seed of the synthetic prompts."""
+
+
+# ---------------------------------------------------------------------------- environment facts
+
+def hardware_name(engine: str) -> str:
+    """GPU name and count from NVML, or "cpu" (also for the CPU engine on a GPU host)."""
+    if engine == "cpu":
+        return f"cpu x{os.cpu_count()}"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return f"{name.decode() if isinstance(name, bytes) else name} x{count}"
+    except Exception:  # no driver, no library: not a GPU host
+        return "cpu"
+
+
+async def engine_version(client) -> str:
+    """Version reported by the server (/server_info "version", vLLM /version)."""
+    for path in ("/server_info", "/get_server_info", "/version"):
+        try:
+            resp = await client._client().get(path, timeout=10.0)
+            if resp.status_code == 200:
+                return str(resp.json().get("version", "unknown"))
+        except Exception:  # an engine without that route: try the next
+            continue
+    return "unknown"
+
+
+def default_model(engine: str) -> str:
+    from .tiny_model import default_model_dir
+
+    return str(default_model_dir("tiny" if engine == "cpu" else "0.5b"))
+
+
+# ---------------------------------------------------------------------------- measurements
+
+def _pct(values: Sequence[float], q: float) -> float:
+    values = [v for v in values if v is not None]
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _timing_row(wall_s: float, samples: Sequence, prompt_tokens: Sequence[int]) -> dict:
+    out = sum(len(s.output_ids) for s in samples)
+    prompt = sum(s.prompt_tokens for s in samples)
+    cached = sum(s.cached_tokens for s in samples)
+    return {"samples": len(samples), "wall_s": wall_s, "out_tok_s": out / wall_s,
+            "total_tok_s": (out + prompt) / wall_s,
+            "mean_prompt_tokens": float(np.mean(prompt_tokens)) if prompt_tokens else float("nan"),
+            "ttft_p50_s": _pct([s.ttft_s for s in samples], 50), "ttft_p95_s": _pct([s.ttft_s for s in samples], 95),
+            "e2e_p50_s": _pct([s.e2e_s for s in samples], 50), "e2e_p95_s": _pct([s.e2e_s for s in samples], 95),
+            "hit_rate_requests": cached / prompt if prompt else float("nan")}
+
+
+async def _counters(client, engine: str):
+    return cache_counters(await client.metrics_text(), engine)
+
+
+async def _flush(client) -> bool:
+    try:
+        await client.flush_cache()
+        return True
+    except Exception as e:  # noqa: BLE001 - a server without a flush route still benchmarks
+        log.warning("could not flush the prefix cache (%s); runs use fresh prompts anyway", e)
+        return False
+
+
+def _params(cfg: BenchConfig) -> SamplingParams:
+    return SamplingParams(max_new_tokens=cfg.new_tokens, temperature=cfg.temperature, ignore_eos=True)
+
+
+async def run_toolkit(client, cfg: BenchConfig, task: SyntheticTask, tokenizer, schedule: str,
+                      seeds: list[int]):
+    """One rollout through collect_groups; (row, groups)."""
+    for seed in seeds:  # build the synthetic texts before the clock starts
+        for turn in range(cfg.turns):
+            task.text(seed, turn)
+    rec = RecordingClient(client, cfg.stream_all)
+    before = await _counters(client, cfg.engine)
+    t0 = time.perf_counter()
+    groups = await collect_groups(rec, task, tokenizer, seeds, cfg.group_size, _params(cfg),
+                                  concurrency=cfg.concurrency or len(seeds) * cfg.group_size,
+                                  schedule=schedule, max_seq_tokens=1 << 30)
+    wall = time.perf_counter() - t0
+    after = await _counters(client, cfg.engine)
+    stats = rollout_stats(groups)
+    row = _timing_row(wall, rec.records, [t.prompt_len for g in groups for t in g.trajectories])
+    row.update(mode="toolkit", requests=rec.calls, failed=stats["failed"], hit_rate_server=hit_rate(before, after))
+    return row, groups
+
+
+async def run_raw(client, cfg: BenchConfig, groups, schedule: str) -> dict:
+    """Replay a toolkit run's token payloads with plain httpx under the same schedule."""
+    plans = raw_plans(groups)
+    before = await _counters(client, cfg.engine)
+    wall, samples = await replay_raw(cfg.engine, client.base_url, client.served_model, plans,
+                                     _params(cfg), schedule, cfg.stream_all)
+    after = await _counters(client, cfg.engine)
+    row = _timing_row(wall, samples, [len(p.prompt) for members in plans for p in members])
+    requests = sum(1 + len(p.env_segments) for members in plans for p in members)
+    if schedule == "n":
+        requests -= sum(len(members) - 1 for members in plans)
+    row.update(mode="raw", requests=requests, failed=0, hit_rate_server=hit_rate(before, after))
+    return row
+
+
+async def measure_reload(client, model_path: str, run_dir: str, prompt_ids: list[int],
+                         repeats: int = 3, rank: int = 16) -> dict:
+    """Median seconds to save a PEFT adapter, load it into the server, and serve it a request."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .server import TARGET_MODULES
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                                             target_modules=list(TARGET_MODULES)))
+    tag, parts, previous = f"bench-{os.getpid()}-{int(time.time())}", [], None
+    for i in range(repeats):
+        name, path = f"{tag}-{i}", Path(run_dir).resolve() / "bench-adapters" / f"{tag}-{i}"
+        t0 = time.perf_counter()
+        model.save_pretrained(str(path))
+        save_s = time.perf_counter() - t0
+        load_s = await client.load_adapter(name, str(path))
+        t0 = time.perf_counter()
+        await client.generate(prompt_ids, SamplingParams(max_new_tokens=1), adapter=name)
+        parts.append((save_s, load_s, time.perf_counter() - t0))
+        if previous:
+            await client.unload_adapter(previous)
+        previous = name
+    await client.unload_adapter(previous)
+    save, load, first = (statistics.median(p[k] for p in parts) for k in range(3))
+    return {"reload_save_s": save, "reload_load_s": load, "reload_first_s": first,
+            "reload_s": save + load + first}
+
+
+# ---------------------------------------------------------------------------- driver
+
+async def bench_server(client, cfg: BenchConfig, radix: bool, model_path: str) -> list[dict]:
+    """Every schedule (and raw replay) against one running server; one row per run."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    task = SyntheticTask(tokenizer, cfg.prompt_tokens, cfg.turns, cfg.env_tokens, cfg.new_tokens)
+    meta = {"date": datetime.now().isoformat(timespec="seconds"), "hardware": hardware_name(cfg.engine),
+            "engine": cfg.engine, "engine_version": await engine_version(client), "model": model_path,
+            "radix": "on" if radix else "off", "groups": cfg.groups, "group_size": cfg.group_size,
+            "turns": cfg.turns, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
+            "stream_all": cfg.stream_all, "flags": cfg.flags}
+    fresh = iter(range(cfg.seed * 1_000_000, (cfg.seed + 1) * 1_000_000, cfg.groups))  # new prompts per run
+    for _ in range(cfg.warmup):
+        await _flush(client)
+        await run_toolkit(client, cfg, task, tokenizer, cfg.schedules[0], _seeds(next(fresh), cfg.groups))
+    reload = {}
+    if cfg.reload:
+        prompt = tokenizer.encode(task.text(-1, 0), add_special_tokens=False)
+        try:
+            reload = await measure_reload(client, model_path, cfg.run_dir, prompt, cfg.reload_repeats)
+        except Exception as e:  # noqa: BLE001 - a server without LoRA still benchmarks the rest
+            log.warning("adapter reload not measured: %s", e)
+    rows = []
+    for repeat in range(cfg.repeats):
+        for schedule in cfg.schedules:
+            flushed = await _flush(client)
+            row, groups = await run_toolkit(client, cfg, task, tokenizer, schedule, _seeds(next(fresh), cfg.groups))
+            theory = theoretical_hit_rate(groups)
+            rows.append({**meta, **reload, **row, "schedule": schedule, "repeat": repeat,
+                         "flushed": flushed, "hit_rate_theoretical": theory})
+            if cfg.raw and schedule in RAW_SCHEDULES:
+                flushed = await _flush(client)
+                raw = await run_raw(client, cfg, groups, schedule)
+                rows.append({**meta, **reload, **raw, "schedule": schedule, "repeat": repeat,
+                             "flushed": flushed, "hit_rate_theoretical": theory})
+            log.info("%s %s: %.2f s", cfg.engine, schedule, row["wall_s"])
+    return rows
+
+
+def _seeds(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def _finish(rows: list[dict]) -> pd.DataFrame:
+    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    best = df["hit_rate_server"].where(df["hit_rate_server"].notna(), df["hit_rate_requests"])
+    df["hit_vs_theoretical"] = best / df["hit_rate_theoretical"]
+    raw = df[df["mode"] == "raw"].set_index(["engine", "radix", "schedule", "repeat"])["out_tok_s"]
+    key = list(zip(df["engine"], df["radix"], df["schedule"], df["repeat"]))
+    df["raw_fraction"] = [row.out_tok_s / raw[k] if row.mode == "toolkit" and k in raw.index else np.nan
+                          for k, row in zip(key, df.itertuples())]
+    return df
+
+
+def run_bench(cfg: BenchConfig) -> pd.DataFrame:
+    """Start the server per radix setting (or use cfg.server_url), run every schedule, save CSV."""
+    from .client import make_client
+    from .server import ServerConfig, start_server
+
+    bad = [s for s in cfg.schedules if s not in SCHEDULES]
+    if bad:
+        raise ValueError(f"unknown schedule(s) {bad}; choose from {', '.join(SCHEDULES)}")
+    model = cfg.model_path or default_model(cfg.engine)
+    rows = []
+    for radix in cfg.radix:
+        if cfg.server_url:
+            client = make_client(cfg.engine, cfg.server_url, model)
+            rows += run_sync(_with_client(client, cfg, radix, model))
+            continue
+        server_cfg = ServerConfig(engine=cfg.engine, model_path=model, run_dir=cfg.run_dir,
+                                  disable_radix_cache=not radix, extra_args=cfg.extra_args)
+        with start_server(server_cfg) as server:
+            rows += run_sync(_with_client(server.client(), cfg, radix, model))
+    df = _finish(rows)
+    out = Path(cfg.out or _default_out(df, cfg.engine))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    log.info("wrote %s", out)
+    return df
+
+
+async def _with_client(client, cfg: BenchConfig, radix: bool, model: str) -> list[dict]:
+    try:
+        return await bench_server(client, cfg, radix, model)
+    finally:
+        await client.aclose()
+
+
+def _default_out(df: pd.DataFrame, engine: str) -> Path:
+    hw = str(df["hardware"].iloc[0]) if len(df) else "unknown"
+    slug = "".join(c if c.isalnum() else "-" for c in hw.lower()).strip("-")
+    return Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-{engine}-{slug}.csv"
+
+
+SUMMARY = ["engine", "mode", "schedule", "radix", "wall_s", "out_tok_s", "ttft_p50_s", "e2e_p50_s",
+           "hit_rate_server", "hit_rate_requests", "hit_rate_theoretical", "raw_fraction", "reload_s"]
+
+
+def summary_table(df: pd.DataFrame) -> str:
+    """The compact text table the CLI prints."""
+    return df[SUMMARY].to_string(index=False, float_format=lambda x: f"{x:.3g}")
+
+
+# ---------------------------------------------------------------------------- CLI
+
+def parse_args(argv: Sequence[str]) -> BenchConfig:
+    p = argparse.ArgumentParser(prog="python -m artsg_nb.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=("cpu", "sglang", "vllm"), default="cpu")
+    p.add_argument("--model", dest="model_path")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=1500)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--turns", type=int, default=1)
+    p.add_argument("--env-tokens", type=int, default=32)
+    p.add_argument("--schedule", default="naive,prefix", help=f"comma list of {', '.join(SCHEDULES)}")
+    p.add_argument("--radix", default="on", help="on, off, or on,off (one server each)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--concurrency", type=int)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--no-raw", dest="raw", action="store_false")
+    p.add_argument("--no-reload", dest="reload", action="store_false")
+    p.add_argument("--no-stream-all", dest="stream_all", action="store_false",
+                   help="stream only the schedule's leaders (TTFT only for those)")
+    p.add_argument("--server-url")
+    p.add_argument("--run-dir", default="runs/bench")
+    p.add_argument("--extra-args", default="", help="extra server arguments, one quoted string")
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    radix = tuple({"on": True, "off": False}[r.strip()] for r in a.radix.split(","))
+    return BenchConfig(
+        engine=a.engine, model_path=a.model_path, groups=a.groups, group_size=a.group_size,
+        prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, turns=a.turns, env_tokens=a.env_tokens,
+        schedules=tuple(s.strip() for s in a.schedule.split(",")), radix=radix, raw=a.raw,
+        stream_all=a.stream_all, reload=a.reload, repeats=a.repeats, warmup=a.warmup,
+        temperature=a.temperature, concurrency=a.concurrency, server_url=a.server_url, run_dir=a.run_dir,
+        extra_args=tuple(shlex.split(a.extra_args)), out=a.out, flags=" ".join(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    cfg = parse_args(sys.argv[1:] if argv is None else list(argv))
+    df = run_bench(cfg)
+    print(summary_table(df))
+    return df
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""Rollout-shaped benchmark workloads and what bench.py measures them with.
+
+What it does
+- `SyntheticTask`: P prompts x G samples x T turns of chosen lengths, built from the model's
+  tokenizer (random token ids decoded to text: meaningless, fine for throughput). Each seed is
+  one group; env turns add a fixed-length user message; the reward is always 0.
+- `RecordingClient`: wraps an EngineClient, optionally streams every request (so every request
+  has a time to first token) and keeps each request's Generations.
+- `replay_raw`: the "raw engine" baseline — the same token payloads, sent with plain httpx and
+  minimal parsing (no toolkit client, no chat template, no rollout bookkeeping), under the same
+  submission schedule; the toolkit's throughput is reported as a fraction of it.
+- `theoretical_hit_rate`: the prefix-cache hit rate if every reusable token were reused.
+
+What it does not do: start servers or build tables (bench.py), or schedule real rollouts
+(rollout.py, which the toolkit rows go through unchanged).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import httpx
+
+from .client import merge_stream_chunk
+from .rollout import Trajectory, TrajectoryGroup
+from .tasks import StepResult
+
+RAW_SCHEDULES = ("naive", "prefix", "n")
+"""Schedules the raw baseline implements (the others are toolkit-only variants)."""
+
+
+# ---------------------------------------------------------------------------- synthetic task
+
+def synthetic_text(tokenizer, n_tokens: int, rng: random.Random) -> str:
+    """About `n_tokens` tokens of text: random non-special ids, decoded, re-cut to length."""
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
+    ids = tokenizer.encode(tokenizer.decode(rng.choices(vocab, k=n_tokens)), add_special_tokens=False)
+    return tokenizer.decode(ids[:n_tokens], skip_special_tokens=True)
+
+
+class SyntheticEnv:
+    """One episode: an opening prompt, then a fixed-length user turn after each reply."""
+
+    def __init__(self, task: "SyntheticTask", seed: int):
+        self.task, self.seed, self.turn = task, seed, 0
+
+    def reset(self) -> list[dict]:
+        return [{"role": "user", "content": self.task.text(self.seed, 0)}]
+
+    def step(self, reply: str) -> StepResult:
+        self.turn += 1
+        if self.turn >= self.task.max_turns:
+            return StepResult([], 0.0, True)
+        return StepResult([{"role": "user", "content": self.task.text(self.seed, self.turn)}], None, False)
+
+
+@dataclass
+class SyntheticTask:
+    """Duck-types tasks.Task for collect_groups: same seed → same texts, so a group shares them."""
+
+    tokenizer: Any
+    prompt_tokens: int = 1500
+    """Target length of the turn-1 prompt, chat template included."""
+    max_turns: int = 1
+    """Model turns per episode."""
+    env_tokens: int = 32
+    """Length of each later user message."""
+    max_new_tokens: int = 128
+    name: str = "synthetic"
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def make_env(self, seed: int) -> SyntheticEnv:
+        return SyntheticEnv(self, seed)
+
+    def text(self, seed: int, turn: int) -> str:
+        if (seed, turn) not in self._cache:
+            overhead = len(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": ""}], tokenize=True, return_dict=False, add_generation_prompt=True))
+            n = max(1, self.prompt_tokens - overhead) if turn == 0 else self.env_tokens
+            self._cache[seed, turn] = synthetic_text(self.tokenizer, n, random.Random(seed * 1000 + turn))
+        return self._cache[seed, turn]
+
+
+# ---------------------------------------------------------------------------- recording client
+
+async def _noop_hook() -> None:
+    return None
+
+
+class RecordingClient:
+    """Forwards `generate` to `client` and records every Generation (TTFT, e2e, tokens).
+
+    With `stream_all`, requests the schedule did not stream are streamed with a no-op hook, so
+    every request has a TTFT (at the price of the streaming work in client and server).
+    """
+
+    def __init__(self, client, stream_all: bool = True):
+        self.client, self.stream_all, self.records, self.calls = client, stream_all, [], 0
+
+    async def generate(self, input_ids, params, adapter=None, on_first_token=None):
+        self.calls += 1
+        hook = on_first_token or (_noop_hook if self.stream_all else None)
+        gens = await self.client.generate(input_ids, params, adapter=adapter, on_first_token=hook)
+        self.records.extend(gens)
+        return gens
+
+
+# ---------------------------------------------------------------------------- theoretical hit rate
+
+def model_segments(traj: Trajectory) -> list[tuple[int, int]]:
+    """(start, end) of each run of model tokens (mask 1) in a trajectory."""
+    runs, start = [], None
+    for i, m in enumerate(traj.completion_mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def theoretical_hit_rate(groups: Sequence[TrajectoryGroup]) -> float | None:
+    """Cached / prompt tokens if the cache reused everything reusable: all but the first of a
+    group's identical turn-1 prompts, and at turn k > 1 the whole history up to the end of the
+    previous reply. (An upper bound: engines recompute at least the last prompt token.)"""
+    prompt = cacheable = 0
+    for group in groups:
+        trajs = [t for t in group.trajectories if t.error is None and t.completion_mask]
+        for j, t in enumerate(trajs):
+            segments = model_segments(t)
+            starts = [s for s, _ in segments]
+            prompt += sum(starts)
+            cacheable += (starts[0] if starts and j > 0 else 0) + sum(e for _, e in segments[:-1])
+    return cacheable / prompt if prompt else None
+
+
+# ---------------------------------------------------------------------------- raw baseline
+
+@dataclass
+class RawSample:
+    """What the raw baseline keeps of one sample."""
+
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    e2e_s: float
+    ttft_s: float | None
+
+
+@dataclass
+class RawPlan:
+    """One trajectory's payloads: the turn-1 prompt and the env tokens after each reply."""
+
+    prompt: list[int]
+    env_segments: list[list[int]]
+
+
+def raw_plans(groups: Sequence[TrajectoryGroup]) -> list[list[RawPlan]]:
+    """Per group, per valid trajectory: its turn-1 prompt and the env tokens between replies."""
+    plans = []
+    for group in groups:
+        members = []
+        for t in group.trajectories:
+            if t.error is not None or not t.completion_mask:
+                continue
+            segments = model_segments(t)
+            envs = [t.token_ids[end:segments[k + 1][0]] for k, (_, end) in enumerate(segments[:-1])]
+            members.append(RawPlan(t.token_ids[:segments[0][0]], envs))
+        if members:
+            plans.append(members)
+    return plans
+
+
+class RawEngine:
+    """Plain httpx posts of the payloads the toolkit client sends; no parsing beyond ids/counts."""
+
+    def __init__(self, engine: str, base_url: str, model: str, params, stream: bool):
+        self.engine, self.model, self.params, self.stream = engine, model, params, stream
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0),
+                                      limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+        self.samples: list[RawSample] = []
+
+    def payload(self, ids: list[int], n: int) -> tuple[str, dict]:
+        p = self.params
+        if self.engine == "vllm":
+            return "/v1/completions", {
+                "model": self.model, "prompt": ids, "max_tokens": p.max_new_tokens, "n": n,
+                "temperature": p.temperature, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
+                "return_token_ids": True, "logprobs": 1}
+        return "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
+            "max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p,
+            "ignore_eos": p.ignore_eos, "n": n}}
+
+    async def generate(self, ids: list[int], n: int = 1, on_first=None) -> list[RawSample]:
+        path, body = self.payload(ids, n)
+        t0 = time.perf_counter()
+        if self.stream or on_first is not None:
+            objs, ttft = await self._streamed(path, body, on_first, t0)
+        else:
+            resp = await self.http.post(path, json=body)
+            resp.raise_for_status()
+            objs, ttft = resp.json(), None
+        samples = self._parse(objs, len(ids), time.perf_counter() - t0, ttft)
+        self.samples += samples
+        return samples
+
+    async def _streamed(self, path: str, body: dict, on_first, t0: float):
+        body = {**body, "stream": True}
+        if self.engine == "vllm":
+            body["stream_options"] = {"include_usage": True}
+        last: dict[int, Any] = {}
+        ttft = None
+        async with self.http.stream("POST", path, json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.endswith("[DONE]"):
+                    continue
+                chunk = json.loads(line[5:])
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                    if on_first is not None:
+                        on_first()
+                if self.engine == "vllm":
+                    last.setdefault("chunks", []).append(chunk)
+                else:  # cumulative chunks by default, deltas with --incremental-streaming-output
+                    i = chunk.get("index", 0)
+                    last[i] = merge_stream_chunk(last.get(i), chunk)
+        if self.engine == "vllm":
+            return _merge_vllm_chunks(last.get("chunks", [])), ttft
+        return [last[i] for i in sorted(last)], ttft
+
+    def _parse(self, objs, n_prompt: int, e2e_s: float, ttft_s) -> list[RawSample]:
+        if self.engine == "vllm":
+            cached = ((objs.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            return [RawSample(c.get("token_ids") or [], n_prompt, cached, e2e_s, ttft_s)
+                    for c in sorted(objs["choices"], key=lambda c: c.get("index", 0))]
+        objs = objs if isinstance(objs, list) else [objs]
+        return [RawSample(o["output_ids"], o["meta_info"]["prompt_tokens"],
+                          o["meta_info"].get("cached_tokens") or 0, e2e_s, ttft_s) for o in objs]
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+def _merge_vllm_chunks(chunks: list[dict]) -> dict:
+    choices: dict[int, dict] = {}
+    usage = None
+    for chunk in chunks:
+        usage = chunk.get("usage") or usage
+        for c in chunk.get("choices") or []:
+            acc = choices.setdefault(c.get("index", 0), {"index": c.get("index", 0), "token_ids": []})
+            acc["token_ids"] += c.get("token_ids") or []
+    return {"choices": list(choices.values()), "usage": usage}
+
+
+async def _raw_episode(raw: RawEngine, plan: RawPlan, first: RawSample) -> None:
+    ids, sample = list(plan.prompt), first
+    for env in plan.env_segments:
+        ids = ids + sample.output_ids + env
+        [sample] = await raw.generate(ids)
+
+
+async def _raw_group(raw: RawEngine, members: list[RawPlan], schedule: str) -> None:
+    """Turn 1 in `schedule`'s order (as rollout.py), then each member's later turns."""
+    prompt = members[0].prompt
+    if schedule == "n":
+        firsts = await raw.generate(prompt, n=len(members))
+        await asyncio.gather(*(_raw_episode(raw, p, s) for p, s in zip(members, firsts)))
+        return
+    released = asyncio.Event()
+
+    async def play(i: int, plan: RawPlan) -> None:
+        if schedule == "prefix" and i > 0:
+            await released.wait()
+        try:
+            [first] = await raw.generate(prompt, on_first=released.set if i == 0 else None)
+        finally:
+            released.set()
+        await _raw_episode(raw, plan, first)
+
+    await asyncio.gather(*(play(i, p) for i, p in enumerate(members)))
+
+
+async def replay_raw(engine: str, base_url: str, model: str, plans: list[list[RawPlan]], params,
+                     schedule: str, stream: bool) -> tuple[float, list[RawSample]]:
+    """Send `plans` under `schedule` with plain httpx; (wall seconds, samples)."""
+    if schedule not in RAW_SCHEDULES:
+        raise ValueError(f"the raw baseline implements {RAW_SCHEDULES}, not {schedule!r}")
+    raw = RawEngine(engine, base_url, model, params, stream)
+    try:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(_raw_group(raw, members, schedule) for members in plans))
+        return time.perf_counter() - t0, raw.samples
+    finally:
+        await raw.aclose()

@@ -1,0 +1,413 @@
+"""Rollouts: G episodes per prompt from an inference server, as token-exact trajectories.
+
+What it does
+- `collect_groups` plays one GRPO group of `group_size` episodes per env seed (same seed → same
+  opening messages), single- or multi-turn, with at most `concurrency` requests in flight.
+- Tokens: turn 1's prompt is the chat template of the opening messages with the generation
+  prompt. A model turn's token ids and logprobs are the server's (`Generation.output_ids` /
+  `.logprobs`); generated text is never re-tokenised. Between turns the env's messages are
+  appended as tokens rendered by the chat template (see `env_suffix_ids`), so
+  `token_ids = prompt + (model tokens, env tokens)*` and `completion_mask` is 1 exactly on the
+  model's tokens. Each later turn sends the whole history, which the server's prefix cache holds.
+- Failures are data: a failed request, an env that raises, or a reward that is None/NaN is
+  recorded in `Trajectory.error` (the trainer skips it); the group keeps its valid members.
+- Length budget: a trajectory never exceeds `max_seq_tokens`; a request's `max_new_tokens` is
+  clamped to the room left, and an episode that runs out of room is cut (`truncated=True`).
+- Submission order (`schedule`), the lever on the prefix-cache hit rate. SGLang's radix cache
+  reuses a prompt only once its prefill has finished: G identical prompts in one prefill batch
+  are all computed (measured on an H200: hit rate 0.28 instead of (G-1)/G = 0.875).
+    "naive"        every request at once (the baseline the others are measured against).
+    "prefix"       per group a leader first; the G-1 followers are sent when the leader's first
+                   token streams back (its prompt is cached by then). Leaders of all groups go
+                   out together, so they share prefill batches.
+    "prefix_sync"  as "prefix", but followers of all groups are released together once every
+                   leader has its first token: one follower prefill batch, lock-step decoding.
+    "prefix_n"     as "prefix", but the followers go as one request with n = G-1.
+    "n"            one request with n = G per group (engine-native parallel sampling; SGLang
+                   primes the cache with a prefill-only copy first, vLLM shares blocks).
+  Only turn 1 is scheduled; later turns extend each episode's own history.
+
+What it does not do: talk HTTP (client.py), compute advantages (grpo.py), build tensors
+(trainer.py). Env methods are called in the event loop, so they should be quick.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable, Sequence
+
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("naive", "prefix", "prefix_sync", "prefix_n", "n")
+"""Turn-1 submission orders accepted by `collect_groups` (see the module docstring)."""
+
+_SENTINEL = "\u2063artsg-sentinel\u2063"  # stands in for a reply to find the template's turn ending
+
+
+class RolloutError(RuntimeError):
+    """A rollout could not be played (recorded on the Trajectory, not raised to the caller)."""
+
+
+@dataclass
+class Trajectory:
+    """One episode as the trainer sees it: tokens, which of them the model produced, the reward."""
+
+    messages: list[dict]
+    """The conversation: opening messages, then assistant replies (server text) and env messages."""
+    token_ids: list[int]
+    """prompt + (model tokens, env tokens)*, exactly as sent to and returned by the server."""
+    completion_mask: list[int]
+    """1 on model-generated tokens, 0 on prompt/env/turn-closing tokens; aligned with token_ids."""
+    logprobs: list[float]
+    """Server sampling logprobs (temperature-scaled) where mask == 1, 0.0 elsewhere."""
+    reward: float | None = None
+    """Final reward from the env; None when the episode failed."""
+    error: str | None = None
+    """Why the episode is unusable ("ExcType: message"); None for a valid episode."""
+    turns: int = 0
+    """Model turns played."""
+    prompt_tokens: int = 0
+    """Prompt tokens the server processed, summed over turns."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the server's prefix cache, summed over turns."""
+    truncated: bool = False
+    """The length budget (max_seq_tokens) cut a reply or ended the episode early."""
+    adapter: str | None = None
+    """Adapter that generated the model tokens (None: base model)."""
+    prompt_len: int = 0
+    """Tokens before the first model token."""
+    seed: int = 0
+    """Env seed of the group."""
+    finish_reasons: list[str] = field(default_factory=list)
+    """Server finish reason per model turn: "stop" | "length" | "abort"."""
+
+    @property
+    def valid(self) -> bool:
+        """Usable for training: no error and a finite reward."""
+        return self.error is None and self.reward is not None and math.isfinite(self.reward)
+
+
+@dataclass
+class TrajectoryGroup:
+    """The G episodes of one env seed; GRPO compares rewards within it."""
+
+    seed: int
+    """Env seed shared by the group."""
+    trajectories: list[Trajectory]
+    """All members, failed ones included (see Trajectory.valid)."""
+
+    @property
+    def valid(self) -> list[Trajectory]:
+        return [t for t in self.trajectories if t.valid]
+
+
+# ---------------------------------------------------------------------------- chat tokenisation
+
+def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                        add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def turn_end_text(tokenizer, messages: list[dict]) -> str:
+    """What the template writes after an assistant reply (ChatML: "<|im_end|>\\n")."""
+    text = render_text(tokenizer, messages + [{"role": "assistant", "content": _SENTINEL}], False)
+    if _SENTINEL not in text:
+        raise RolloutError("the chat template dropped the assistant content; cannot find where an "
+                           "assistant turn ends")
+    return text[text.rindex(_SENTINEL) + len(_SENTINEL):]
+
+
+def env_suffix_ids(tokenizer, history_ids: list[int], messages: list[dict],
+                   new_messages: list[dict]) -> tuple[list[int], bool]:
+    """Tokens to append after a model turn: the turn's closing tokens, `new_messages`, the
+    generation prompt. Returns (ids, used_fallback).
+
+    `history_ids` are the tokens so far, ending with the model's reply; `messages` the
+    conversation so far, ending with that reply as an assistant message.
+
+    1. The turn-closing token (eos, "<|im_end|>") is added when the server's output lacks it.
+    2. Preferred: render the whole conversation (+ new messages + generation prompt) and take
+       the tokens after `history_ids` — valid when `history_ids` is a token prefix of that
+       rendering. A sampled reply is often not the canonical tokenisation of its own text
+       (or its text was cut mid-character), so the prefix often does not match. Then:
+    3. Fallback: tokenise, as text, only what the template adds after the reply (the rest of
+       the turn ending, the new messages, the generation prompt) and append it. With ChatML
+       every such piece starts after a special token, so no BPE merge crosses the boundary.
+    """
+    closing = turn_end_text(tokenizer, messages[:-1])
+    end_ids = tokenizer.encode(closing, add_special_tokens=False)
+    eos = end_ids[:1]
+    known = list(history_ids)
+    added: list[int] = []
+    if eos and known[-len(eos):] != eos:
+        added, known = list(eos), known + eos
+    full = render_ids(tokenizer, messages + new_messages, add_generation_prompt=True)
+    if full[:len(known)] == known:
+        return added + full[len(known):], False
+    previous = render_text(tokenizer, messages, add_generation_prompt=False)
+    whole = render_text(tokenizer, messages + new_messages, add_generation_prompt=True)
+    if not whole.startswith(previous):
+        raise RolloutError("the chat template re-renders earlier turns when a message is added; "
+                           "multi-turn token histories need an append-only template")
+    eos_text = tokenizer.decode(eos) if eos else ""
+    rest = closing[len(eos_text):] if eos_text and closing.startswith(eos_text) else closing
+    tail = tokenizer.encode(rest + whole[len(previous):], add_special_tokens=False)
+    return added + tail, True
+
+
+# ---------------------------------------------------------------------------- episodes
+
+@dataclass
+class _Ctx:
+    """What every request of one `collect_groups` call shares."""
+
+    client: Any
+    tokenizer: Any
+    params: Any
+    adapter: str | None
+    sem: asyncio.Semaphore
+    max_seq_tokens: int
+    truncation_reward: float | None
+    max_turns: int
+    fallbacks: int = 0
+
+
+async def _generate(ctx: _Ctx, ids: list[int], max_new: int, n: int = 1,
+                    on_first_token: Callable | None = None) -> list:
+    """One server request → `n` Generations. At most `concurrency` of these run at once."""
+    params = replace(ctx.params, max_new_tokens=max_new, n=n)
+    kwargs = {"on_first_token": on_first_token} if on_first_token is not None else {}
+    async with ctx.sem:
+        gens = await ctx.client.generate(ids, params, adapter=ctx.adapter, **kwargs)
+    if len(gens) != n:
+        raise RolloutError(f"asked the server for n={n} samples, got {len(gens)}")
+    return gens
+
+
+def _room(ctx: _Ctx, n_tokens: int) -> int:
+    return min(ctx.params.max_new_tokens, ctx.max_seq_tokens - n_tokens)
+
+
+def _finite_reward(reward) -> float:
+    if reward is None:
+        raise RolloutError("the env finished the episode without a reward (None)")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise RolloutError(f"the env returned a non-finite reward ({value})")
+    return value
+
+
+def _append_model_turn(ctx: _Ctx, traj: Trajectory, gen, max_new: int) -> None:
+    traj.token_ids += gen.output_ids
+    traj.completion_mask += [1] * len(gen.output_ids)
+    traj.logprobs += list(gen.logprobs)
+    traj.messages.append({"role": "assistant", "content": gen.text})
+    traj.prompt_tokens += gen.prompt_tokens
+    traj.cached_tokens += gen.cached_tokens
+    traj.finish_reasons.append(gen.finish_reason)
+    traj.turns += 1
+    if gen.finish_reason == "length" and max_new < ctx.params.max_new_tokens:
+        traj.truncated = True  # the budget, not max_new_tokens, cut this reply
+
+
+def _append_env_turn(ctx: _Ctx, traj: Trajectory, new_messages: list[dict]) -> None:
+    ids, fallback = env_suffix_ids(ctx.tokenizer, traj.token_ids, traj.messages, new_messages)
+    ctx.fallbacks += fallback
+    traj.token_ids += ids
+    traj.completion_mask += [0] * len(ids)
+    traj.logprobs += [0.0] * len(ids)
+    traj.messages += new_messages
+
+
+def _cut(ctx: _Ctx, traj: Trajectory) -> None:
+    """End an episode that has no room for another turn (the env gave no final reward)."""
+    n = ctx.max_seq_tokens
+    traj.token_ids, traj.completion_mask, traj.logprobs = (
+        traj.token_ids[:n], traj.completion_mask[:n], traj.logprobs[:n])
+    traj.truncated = True
+    if ctx.truncation_reward is None:
+        traj.error = f"RolloutError: episode cut at max_seq_tokens={n} before the env finished"
+    traj.reward = ctx.truncation_reward
+
+
+async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_new: int) -> Trajectory:
+    """Play one episode from its (scheduled) first generation; errors end up in `traj.error`."""
+    try:
+        gen, max_new = await first, first_max_new
+        while True:
+            _append_model_turn(ctx, traj, gen, max_new)
+            result = env.step(gen.text)
+            if result.done:
+                traj.reward = _finite_reward(result.reward)
+                return traj
+            if traj.turns >= ctx.max_turns:
+                raise RolloutError(f"the env was not done after max_turns={ctx.max_turns} turns")
+            _append_env_turn(ctx, traj, result.messages)
+            max_new = _room(ctx, len(traj.token_ids))
+            if max_new < 1:
+                _cut(ctx, traj)
+                return traj
+            [gen] = await _generate(ctx, traj.token_ids, max_new)
+    except Exception as exc:  # a failed rollout is data, not a crash (see module docstring)
+        traj.error = f"{type(exc).__name__}: {exc}"
+        log.debug("rollout seed=%d failed", traj.seed, exc_info=True)
+        return traj
+
+
+# ---------------------------------------------------------------------------- turn-1 schedules
+
+class _Release:
+    """Followers wait on this; it opens after `count` leaders have produced a first token
+    (or finished, failed included)."""
+
+    def __init__(self, count: int):
+        self.left, self.event = count, asyncio.Event()
+
+    def arrive(self, *_: Any) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.event.set()
+
+
+async def _lead(ctx: _Ctx, ids: list[int], max_new: int, release: _Release) -> Any:
+    arrived = False
+
+    def first_token(*_: Any) -> None:
+        nonlocal arrived
+        if not arrived:
+            arrived = True
+            release.arrive()
+
+    try:
+        [gen] = await _generate(ctx, ids, max_new, on_first_token=first_token)
+        return gen
+    finally:
+        first_token()  # a leader that fails (or never streamed) still releases its followers
+
+
+async def _follow(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, n: int = 1) -> list:
+    await release.event.wait()
+    return await _generate(ctx, ids, max_new, n=n)
+
+
+async def _pick(shared: Awaitable, i: int) -> Any:
+    return (await shared)[i]
+
+
+async def _single(ctx: _Ctx, ids: list[int], max_new: int) -> Any:
+    [gen] = await _generate(ctx, ids, max_new)
+    return gen
+
+
+def _first_turns(ctx: _Ctx, schedule: str, ids: list[int], max_new: int, size: int,
+                 release: _Release | None) -> list[Awaitable]:
+    """One awaitable first Generation per group member, submitted in `schedule`'s order."""
+    if schedule == "naive" or size == 1:
+        return [_single(ctx, ids, max_new) for _ in range(size)]
+    if schedule == "n":
+        shared = asyncio.ensure_future(_generate(ctx, ids, max_new, n=size))
+        return [_pick(shared, i) for i in range(size)]
+    release = release or _Release(1)  # "prefix"/"prefix_n": this group's leader only
+    leader = _lead(ctx, ids, max_new, release)
+    if schedule == "prefix_n":
+        shared = asyncio.ensure_future(_follow(ctx, ids, max_new, release, n=size - 1))
+        return [leader] + [_pick(shared, i) for i in range(size - 1)]
+    return [leader] + [_pick(_follow(ctx, ids, max_new, release), 0) for _ in range(size - 1)]
+
+
+async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
+                 release: _Release | None, done: Callable[[], None]) -> TrajectoryGroup:
+    envs, openings = [], []
+    try:
+        envs = [task.make_env(seed) for _ in range(size)]
+        openings = [env.reset() for env in envs]
+        prompts = [render_ids(ctx.tokenizer, m, add_generation_prompt=True) for m in openings]
+    except Exception as exc:
+        if release is not None:
+            release.arrive()
+        error = f"{type(exc).__name__}: {exc}"
+        return TrajectoryGroup(seed, [_failed(ctx, seed, error) for _ in range(size)])
+    max_new = _room(ctx, len(prompts[0]))
+    if any(p != prompts[0] for p in prompts) or max_new < 1:
+        if release is not None:
+            release.arrive()  # this group has no leader to wait for
+        schedule = "naive"  # members differ: nothing to share
+    trajs = [Trajectory(messages=list(m), token_ids=list(p), completion_mask=[0] * len(p),
+                        logprobs=[0.0] * len(p), prompt_len=len(p), adapter=ctx.adapter, seed=seed)
+             for m, p in zip(openings, prompts)]
+    if max_new < 1:
+        for t in trajs:
+            t.error = (f"RolloutError: the prompt has {len(t.token_ids)} tokens, no room under "
+                       f"max_seq_tokens={ctx.max_seq_tokens}")
+        return TrajectoryGroup(seed, trajs)
+    firsts = _first_turns(ctx, schedule, prompts[0], max_new, size, release)
+
+    async def play(env, traj, first):
+        out = await _play(ctx, env, traj, first, max_new)
+        done()
+        return out
+
+    return TrajectoryGroup(seed, list(await asyncio.gather(*map(play, envs, trajs, firsts))))
+
+
+def _failed(ctx: _Ctx, seed: int, error: str) -> Trajectory:
+    return Trajectory(messages=[], token_ids=[], completion_mask=[], logprobs=[], error=error,
+                      adapter=ctx.adapter, seed=seed)
+
+
+async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_size: int, params,
+                         adapter: str | None = None, concurrency: int = 64, schedule: str = "prefix",
+                         max_seq_tokens: int = 4096, truncation_reward: float | None = 0.0,
+                         progress: bool = False) -> list[TrajectoryGroup]:
+    """Play `group_size` episodes of `task` per seed; one TrajectoryGroup per seed, in order.
+
+    `params` (client.SamplingParams) applies to every model turn; its `n` is ignored (the
+    schedule decides). `concurrency` bounds HTTP requests in flight (an n-sample request counts
+    once). `truncation_reward` is the reward of an episode cut by `max_seq_tokens` before the
+    env finished (None: record it as failed instead). Never raises for a failed rollout.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if group_size < 1 or concurrency < 1:
+        raise ValueError(f"group_size and concurrency must be >= 1 (got {group_size}, {concurrency})")
+    ctx = _Ctx(client, tokenizer, params, adapter, asyncio.Semaphore(concurrency), max_seq_tokens,
+               truncation_reward, max(1, int(getattr(task, "max_turns", 1) or 1)))
+    release = _Release(len(seeds)) if schedule == "prefix_sync" and group_size > 1 else None
+    with tqdm(total=len(seeds) * group_size, desc="rollouts", disable=not progress) as bar:
+        groups = await asyncio.gather(*(
+            _group(ctx, task, seed, group_size, schedule, release, lambda: bar.update(1))
+            for seed in seeds))
+    _log_summary(list(groups), ctx)
+    return list(groups)
+
+
+def rollout_stats(groups: Sequence[TrajectoryGroup]) -> dict:
+    """Counts and token totals of a batch of groups (for history rows and benchmarks)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    prompt = sum(t.prompt_tokens for t in trajs)
+    cached = sum(t.cached_tokens for t in trajs)
+    return {"trajectories": len(trajs), "failed": sum(t.error is not None for t in trajs),
+            "truncated": sum(t.truncated for t in trajs),
+            "completion_tokens": sum(sum(t.completion_mask) for t in trajs),
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else None}
+
+
+def _log_summary(groups: list[TrajectoryGroup], ctx: _Ctx) -> None:
+    stats = rollout_stats(groups)
+    if stats["failed"]:
+        first = next(t.error for g in groups for t in g.trajectories if t.error)
+        log.warning("%d of %d rollouts failed (first: %s)", stats["failed"], stats["trajectories"], first)
+    if ctx.fallbacks:
+        log.debug("%d env turns used the text fallback of env_suffix_ids", ctx.fallbacks)

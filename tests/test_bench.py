@@ -1,0 +1,61 @@
+"""bench.py end to end on the CPU engine at a tiny size: the table's columns and sane values."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from artsg_nb.bench import COLUMNS, BenchConfig, parse_args, run_bench, summary_table
+from artsg_nb.bench_workloads import theoretical_hit_rate
+from artsg_nb.rollout import Trajectory, TrajectoryGroup
+
+
+def test_cli_flags_parse():
+    cfg = parse_args(["--engine", "sglang", "--groups", "3", "--schedule", "naive, prefix_n",
+                      "--radix", "on,off", "--no-raw", "--extra-args", "--attention-backend triton"])
+    assert (cfg.engine, cfg.groups, cfg.schedules, cfg.radix, cfg.raw) == (
+        "sglang", 3, ("naive", "prefix_n"), (True, False), False)
+    assert cfg.extra_args == ("--attention-backend", "triton")
+
+
+def test_theoretical_hit_rate_by_hand():
+    def traj(mask):
+        return Trajectory(messages=[], token_ids=list(range(len(mask))), completion_mask=mask,
+                          logprobs=[0.0] * len(mask))
+    # two samples of a 4-token prompt, 2 model tokens, 3 env tokens, 2 model tokens
+    mask = [0] * 4 + [1] * 2 + [0] * 3 + [1] * 2
+    group = TrajectoryGroup(0, [traj(mask), traj(mask)])
+    # prompts: 4 + 9 per sample = 26; reusable: 4 (second sample's turn 1) + 6 + 6 (turn-2 history)
+    assert theoretical_hit_rate([group]) == pytest.approx(16 / 26)
+
+
+@pytest.mark.slow
+def test_small_cpu_run(tmp_path):
+    out = tmp_path / "bench.csv"
+    cfg = BenchConfig(engine="cpu", groups=2, group_size=2, prompt_tokens=64, new_tokens=4,
+                      schedules=("naive", "prefix", "prefix_n"), warmup=0, reload_repeats=1,
+                      run_dir=str(tmp_path / "run"), out=str(out), flags="test")
+    df = run_bench(cfg)
+    assert list(df.columns) == COLUMNS
+    assert out.exists() and len(pd.read_csv(out)) == len(df)
+    # toolkit rows for each schedule, raw rows where the raw baseline implements the schedule
+    assert sorted(zip(df["mode"], df["schedule"])) == sorted(
+        [("toolkit", "naive"), ("raw", "naive"), ("toolkit", "prefix"), ("raw", "prefix"),
+         ("toolkit", "prefix_n")])
+    assert (df["engine"] == "cpu").all() and df["hardware"].str.startswith("cpu").all()
+    assert (df["engine_version"] != "unknown").all()
+    assert (df["failed"] == 0).all() and (df["samples"] == 4).all()
+    assert (df["wall_s"] > 0).all() and (df["out_tok_s"] > 0).all()
+    assert (df["total_tok_s"] > df["out_tok_s"]).all()
+    assert (df["ttft_p50_s"] <= df["e2e_p95_s"]).all()
+    assert df["mean_prompt_tokens"].between(48, 80).all()
+    theory = 0.5  # two identical prompts per group: the second one can reuse all of the first
+    assert df["hit_rate_theoretical"].tolist() == pytest.approx([theory] * len(df), abs=0.02)
+    assert (df["hit_rate_server"] >= 0.98 * df["hit_rate_theoretical"]).all()
+    assert df["hit_rate_server"].tolist() == pytest.approx(df["hit_rate_requests"].tolist())
+    toolkit = df[df["mode"] == "toolkit"]
+    assert toolkit.loc[toolkit["schedule"] != "prefix_n", "raw_fraction"].gt(0).all()
+    assert (df["reload_load_s"] > 0).all() and math.isclose(
+        df["reload_s"].iloc[0], df[["reload_save_s", "reload_load_s", "reload_first_s"]].iloc[0].sum())
+    assert "hit_rate_server" in summary_table(df)

@@ -1,0 +1,27 @@
+"""artsg_nb: GRPO of LoRA adapters from a notebook, with rollouts served by SGLang.
+
+The names a notebook needs are re-exported here (imported lazily, so `import artsg_nb` stays
+cheap and touches no CUDA); everything else is reachable by module.
+"""
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "RunConfig": "session", "GRPORun": "session",
+    "GRPOConfig": "grpo",
+    "ServerConfig": "server", "start_server": "server",
+    "list_gpus": "gpus", "plan_gpus": "gpus",
+    "Dashboard": "widgets",
+    "LivePlot": "plots", "plot_training": "plots", "plot_engine_comparison": "plots",
+    "get_task": "tasks", "list_tasks": "tasks",
+    "default_model_dir": "tiny_model",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'artsg_nb' has no attribute {name!r}")

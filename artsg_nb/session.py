@@ -1,0 +1,330 @@
+"""A GRPO run as a notebook drives it: start, step, step, ..., stop.
+
+What it does: plans the GPUs, starts the inference server kernel-side (SGLang, vLLM or the CPU
+engine), builds the trainer, and runs GRPO steps — rollouts from the server under the current
+adapter, one update, the new adapter saved atomically and hot-reloaded under `policy-step-N`,
+one history row. If the server dies mid-step it is restarted (bounded by `max_restarts`), the
+newest adapter reloaded, and the unfinished rollouts redone; completed steps are never lost.
+`resume=True` continues a run from its newest complete checkpoint.
+
+What it does not do: the loss (grpo.py), the optimizer (trainer.py), HTTP details (client.py),
+or drawing (plots.py, widgets.py). The algorithm in one paragraph: for each step, sample
+`groups_per_step` prompts, `group_size` completions each, reward them with the task, normalise
+rewards within each group into advantages, and take one clipped policy-gradient step on the
+LoRA weights (see grpo.py for the exact loss).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .grpo import GRPOConfig
+from .history import History
+from .lora import AdapterPublisher, AdapterSaveError, adapter_name, load_version, probe_served_adapter, save_adapter_atomic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunConfig:
+    """Everything one GRPO run needs; derive variants with `dataclasses.replace`."""
+
+    task: str = "addition"
+    """Task name (`python -m artsg_nb.train --list-tasks`)."""
+    engine: str = "auto"
+    """"auto" (SGLang with a GPU, the CPU engine without), "sglang", "vllm" or "cpu"."""
+    model_path: str | None = None
+    """Base model directory; None builds the offline tiny model."""
+    run_dir: str = "runs/quickstart"
+    """Adapters, checkpoints, history and server logs go here."""
+    group_size: int = 8
+    """G: completions per prompt (the GRPO group)."""
+    groups_per_step: int = 4
+    """Prompts per step."""
+    max_new_tokens: int | None = None
+    """Per turn; None uses the task's own limit."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores with the same one."""
+    learning_rate: float = 2e-3
+    """AdamW learning rate of the LoRA weights."""
+    lora_rank: int = 16
+    """LoRA rank (the server is started with --max-lora-rank equal to it)."""
+    lora_alpha: int = 32
+    """LoRA alpha."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """Loss variant, clipping, KL and IS correction."""
+    schedule: str = "prefix"
+    """Rollout submission: "prefix" (group leader first), "naive" or "n" (see rollout.py)."""
+    concurrency: int = 64
+    """Requests in flight at once."""
+    max_seq_tokens: int = 2048
+    """Longest trajectory; longer ones are truncated and masked."""
+    micro_batch_tokens: int = 8192
+    """Trainer token budget per forward/backward."""
+    seed: int = 0
+    """Seeds prompts, sampling and LoRA initialisation."""
+    max_restarts: int = 2
+    """Server restarts allowed per run when it dies; 0 raises at once."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in run_dir."""
+    verify_adapter: bool = True
+    """After each reload, check the served adapter's logprobs against the trainer's."""
+    server_args: tuple[str, ...] = ()
+    """Extra command-line flags for the server."""
+    api_key: str | None = None
+    """Sent to the server (SGLang --api-key) and by the client."""
+    verbose: bool = True
+    """Print one progress line per step."""
+
+
+class ServerLostError(RuntimeError):
+    """The server died and the restart policy is off or exhausted."""
+
+
+class GRPORun:
+    """One run: `start()`, then `await step()` per cell or `await run(n)`; `stop()` at the end."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.plan = self.server = self.client = self.trainer = self.publisher = self.tracker = None
+        self.task = None
+        self.history: History | None = None
+        self.restarts = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "GRPORun":
+        from .gpus import apply_to_kernel, list_gpus, plan_gpus
+        from .metrics import HitRateTracker
+        from .tasks import get_task
+
+        cfg = self.cfg
+        self.task = get_task(cfg.task)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.plan = plan_gpus(list_gpus())
+        engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
+        if engine != "cpu" and self.plan.mode == "cpu":
+            from .gpus import require_gpu
+            require_gpu()
+        apply_to_kernel(self.plan)
+        model_path = cfg.model_path or str(_default_model())
+        self.server = self._start_server(engine, model_path)
+        self.client = self.server.client()
+        self.trainer = self._make_trainer(model_path)
+        self.tracker = HitRateTracker(engine=engine if engine != "cpu" else "sglang")
+        self.history = History.load(self.run_dir) if cfg.resume else History(self.run_dir)
+        self.publisher = AdapterPublisher(self.client, self.run_dir)
+        adapters = self.run_dir / "adapters"
+        # policy-step-0 is the untrained LoRA (B = 0, so it serves the base model's outputs).
+        self._initial = self._restore_latest(adapters) if cfg.resume else save_adapter_atomic(self._save_fn, adapters, 0)
+        self._published = False  # the first await (step/run) loads it into the server
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (by process group). Saved adapters and history stay in run_dir."""
+        if self.server is not None:
+            self.server.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    @property
+    def adapter(self) -> str | None:
+        cur = self.publisher.current if self.publisher else None
+        return cur.name if cur else None
+
+    # ---- one GRPO step -----------------------------------------------------------------------
+    async def step(self) -> dict:
+        """Rollouts → rewards → loss → update → save + hot-reload → one history row."""
+        if self.trainer is None:
+            raise RuntimeError("call start() before step()")
+        if not self._published:
+            await self._with_restarts(self.publisher.publish, self._initial)
+            self._published = True
+        step = self.trainer.step + 1
+        t0 = time.perf_counter()
+        groups, hit_rate = await self._with_restarts(self._rollouts, step)
+        t1 = time.perf_counter()
+        metrics = self.trainer.train_step(groups)
+        t2 = time.perf_counter()
+        version, reload_s, probe = await self._save_and_reload(groups)
+        row = self._row(step, groups, metrics, hit_rate, t1 - t0, t2 - t1, reload_s, probe)
+        self.history.append(row)
+        if self.cfg.verbose:
+            print(self.history.format_row(row), flush=True)
+        return row
+
+    async def run(self, n_steps: int, on_step=None) -> History:
+        """`n_steps` more steps; `on_step(row)` after each (e.g. a LivePlot update)."""
+        for _ in range(n_steps):
+            row = await self.step()
+            if on_step is not None:
+                on_step(row)
+        return self.history
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _start_server(self, engine: str, model_path: str):
+        from .server import ServerConfig, start_server
+
+        cfg = self.cfg
+        mem = getattr(self.plan, "server_mem_fraction", None)
+        scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
+                            max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
+                            api_key=cfg.api_key, extra_args=tuple(cfg.server_args))
+        return start_server(scfg)
+
+    def _make_trainer(self, model_path: str):
+        from .trainer import Trainer, TrainerConfig
+
+        cfg = self.cfg
+        grpo = replace(cfg.grpo, temperature=cfg.temperature)
+        return Trainer(TrainerConfig(model_path=model_path, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                     learning_rate=cfg.learning_rate, micro_batch_tokens=cfg.micro_batch_tokens,
+                                     seed=cfg.seed, grpo=grpo))
+
+    def _restore_latest(self, adapters: Path):
+        from .trainer import CheckpointError
+
+        steps = sorted((int(p.name.rsplit("-", 1)[1]) for p in adapters.glob("policy-step-*")
+                        if (p / "trainer_state.json").exists()), reverse=True)
+        if not steps:
+            raise CheckpointError(f"resume=True but {adapters} holds no complete checkpoint; "
+                                  "start without resume or point run_dir at the run to continue")
+        version = load_version(adapters, steps[0])
+        self.trainer.load_checkpoint(version.path)
+        self.history.truncate(self.trainer.step)
+        log.info("resumed %s at step %d", self.run_dir, self.trainer.step)
+        return version
+
+    def _save_fn(self, tmp: Path) -> None:
+        self.trainer.save_adapter(tmp)
+        self.trainer.save_checkpoint(tmp)
+
+    def _seeds(self, step: int) -> list[int]:
+        rng = random.Random(self.cfg.seed * 1_000_003 + step)
+        return [rng.randrange(1 << 30) for _ in range(self.cfg.groups_per_step)]
+
+    async def _rollouts(self, step: int):
+        from .client import SamplingParams
+        from .metrics import cache_counters, hit_rate
+        from .rollout import collect_groups
+
+        cfg = self.cfg
+        params = SamplingParams(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
+                                temperature=cfg.temperature)
+        before = cache_counters(await self.client.metrics_text(), self.tracker.engine)
+        groups = await collect_groups(self.client, self.task, self.trainer.tokenizer, self._seeds(step),
+                                      cfg.group_size, params, adapter=self.adapter, concurrency=cfg.concurrency,
+                                      schedule=cfg.schedule, max_seq_tokens=cfg.max_seq_tokens)
+        text = await self.client.metrics_text()
+        self.tracker.add_sample(text)
+        _raise_if_server_died(self.server, groups)
+        return groups, hit_rate(before, cache_counters(text, self.tracker.engine))
+
+    async def _with_restarts(self, fn, *args):
+        from .client import ServerUnavailableError
+
+        while True:
+            try:
+                if not self.server.alive():
+                    raise ServerUnavailableError(f"{self.server.config.engine} server is not running")
+                return await fn(*args)
+            except ServerUnavailableError as e:
+                await self._restart_or_raise(e)
+
+    async def _restart_or_raise(self, err: Exception) -> None:
+        if self.restarts >= self.cfg.max_restarts:
+            raise ServerLostError(
+                f"the server died ({err}) and {self.restarts} of max_restarts={self.cfg.max_restarts} restarts "
+                f"are used. Completed steps are saved in {self.run_dir}; fix the cause (see the log below), then "
+                f"start again with resume=True.\n{self.server.log_tail(20)}") from err
+        self.restarts += 1
+        log.warning("server lost (%s); restart %d/%d", err, self.restarts, self.cfg.max_restarts)
+        await self.client.aclose()
+        self.server.restart()
+        self.client = self.server.client()
+        self.publisher.client = self.client
+        await self.publisher.republish()
+
+    async def _save_and_reload(self, groups):
+        previous = self.publisher.current
+        probe = _probe_trajectory(groups)
+        t0 = time.perf_counter()
+        try:
+            version = save_adapter_atomic(self._save_fn, self.run_dir / "adapters", self.trainer.step)
+        except AdapterSaveError:
+            raise
+        await self._with_restarts(self.publisher.publish, version)
+        reload_s = time.perf_counter() - t0
+        result = {}
+        if self.cfg.verify_adapter and probe is not None:
+            trainer_lp = self.trainer.score_tokens(probe.token_ids)
+            prev_lp = probe.logprobs[1:] if previous else None
+            mask = probe.completion_mask[1:]
+            sel = lambda xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
+            tol = 0.02 if self.trainer.device.type == "cpu" else 0.25
+            result = await probe_served_adapter(_MaskedScorer(self.client, mask, self.cfg.temperature), version, probe.token_ids,
+                                                sel(trainer_lp), sel(prev_lp) if prev_lp else None, tol)
+        return version, reload_s, result
+
+    def _row(self, step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe) -> dict:
+        trajs = [t for g in groups for t in g.trajectories]
+        rewards = [t.reward for t in trajs if t.error is None and t.reward is not None]
+        mean = sum(rewards) / len(rewards) if rewards else float("nan")
+        std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
+        return {"step": step, "adapter": adapter_name(step), "reward_mean": mean, "reward_std": std,
+                "loss": metrics.get("loss"), "kl": metrics.get("kl"), "clip_frac": metrics.get("clip_frac"),
+                "is_ratio_mean": metrics.get("is_ratio_mean"), "is_ratio_min": metrics.get("is_ratio_min"),
+                "is_ratio_max": metrics.get("is_ratio_max"), "grad_norm": metrics.get("grad_norm"),
+                "tokens": metrics.get("tokens"), "completion_tokens": metrics.get("completion_tokens"),
+                "rollout_s": rollout_s, "train_s": train_s, "reload_s": reload_s, "hit_rate": hit_rate,
+                "zero_adv_groups": metrics.get("zero_adv_groups"),
+                "failed_rollouts": sum(t.error is not None for t in trajs),
+                "truncated": sum(bool(t.truncated) for t in trajs), "restarts": self.restarts,
+                "probe_mad": probe.get("probe_mad"), "probe_moved": probe.get("probe_moved"),
+                "time": time.time()}
+
+
+class _MaskedScorer:
+    """Adapts `client.score` to return only the probe's model-token positions."""
+
+    def __init__(self, client, mask, temperature):
+        self.client, self.mask, self.temperature = client, mask, temperature
+
+    async def score(self, ids, adapter=None):
+        lps = await self.client.score(ids, adapter=adapter, temperature=self.temperature)
+        return [x for x, m in zip(lps, self.mask) if m]
+
+
+def _probe_trajectory(groups):
+    for g in groups:
+        for t in g.trajectories:
+            if t.error is None and sum(t.completion_mask) > 0:
+                return t
+    return None
+
+
+def _raise_if_server_died(server, groups) -> None:
+    """Rollouts failed and the process is gone: a server loss (redo the step), not bad rollouts."""
+    from .client import ServerUnavailableError
+
+    trajs = [t for g in groups for t in g.trajectories]
+    if any(t.error for t in trajs) and not server.alive():
+        raise ServerUnavailableError(f"every rollout failed and the server exited: {trajs[0].error}")
+
+
+def _default_model() -> Path:
+    from .tiny_model import default_model_dir
+
+    return default_model_dir()
+
+
+def config_dict(cfg: RunConfig) -> dict:
+    return asdict(cfg)

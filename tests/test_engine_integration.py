@@ -1,0 +1,138 @@
+"""The same client code path against a live engine: the CPU engine in CI, real SGLang on a GPU.
+
+ARTSG_TEST_ENGINES (default "cpu") lists the engines to run, e.g. "cpu,sglang" on the H200 host
+(where the SGLang parameters carry the gpu and sglang markers). Each engine is started with
+`start_server`, exactly as a notebook does, and every check goes through `artsg_nb.client`.
+"""
+import asyncio
+import math
+import os
+import shlex
+
+import pytest
+import torch
+
+from artsg_nb.client import AdapterExistsError, AdapterRankError, SamplingParams, UnknownAdapterError
+from artsg_nb.metrics import cache_counters
+from artsg_nb.server import ServerConfig, start_server
+
+ENGINES = [e.strip() for e in os.environ.get("ARTSG_TEST_ENGINES", "cpu").split(",") if e.strip()]
+PARAMS = [pytest.param(e, marks=[pytest.mark.gpu, pytest.mark.sglang] if e == "sglang" else []) for e in ENGINES]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _make_adapter(model_dir, out, rank=8, seed=1):
+    """A LoRA adapter with non-zero B, so its outputs differ from the base model's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                     "gate_proj", "up_proj", "down_proj"], lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    peft_model.save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def engine(request, tiny_model_dir, tmp_path_factory):
+    name = request.param
+    run_dir = tmp_path_factory.mktemp(f"engine-{name}")
+    extra = tuple(shlex.split(os.environ.get("ARTSG_SGLANG_ARGS", ""))) if name == "sglang" else ()
+    server = start_server(ServerConfig(engine=name, model_path=str(tiny_model_dir), run_dir=run_dir,
+                                       max_lora_rank=16, extra_args=extra))
+    adapters = tmp_path_factory.mktemp(f"adapters-{name}")
+    paths = {"a": _make_adapter(tiny_model_dir, adapters / "a", seed=1),
+             "b": _make_adapter(tiny_model_dir, adapters / "b", seed=2),
+             "r32": _make_adapter(tiny_model_dir, adapters / "r32", rank=32)}
+    yield name, server, paths
+    server.stop()
+
+
+@pytest.fixture
+def client(engine):
+    return engine[1].client()
+
+
+def _prompt(tokenizer, text="What is 3+4?"):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def test_generate_returns_ids_with_aligned_logprobs(engine, client, tiny_tokenizer):
+    ids = _prompt(tiny_tokenizer)
+    gens = run(client.generate(ids, SamplingParams(max_new_tokens=8, temperature=1.0, n=3)))
+    assert len(gens) == 3
+    for g in gens:
+        assert 0 < len(g.output_ids) <= 8 and len(g.logprobs) == len(g.output_ids)
+        assert all(lp <= 0 and math.isfinite(lp) for lp in g.logprobs)
+        assert g.prompt_tokens == len(ids) and g.finish_reason in ("stop", "length")
+
+
+def test_adapter_outputs_and_logprobs_differ_from_base(engine, client, tiny_tokenizer):
+    name, _, paths = engine
+    run(client.load_adapter("diff-a", paths["a"]))
+    ids = _prompt(tiny_tokenizer, "Say something")
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    base = run(client.generate(ids, greedy))[0]
+    lora = run(client.generate(ids, greedy, adapter="diff-a"))[0]
+    probe = ids + base.output_ids
+    base_lp = run(client.score(probe))
+    lora_lp = run(client.score(probe, adapter="diff-a"))
+    assert max(abs(a - b) for a, b in zip(base_lp, lora_lp)) > 1e-2, "adapter logprobs equal the base's"
+    assert base.output_ids != lora.output_ids or base.logprobs != lora.logprobs
+    run(client.unload_adapter("diff-a"))
+
+
+def test_chat_selects_adapter_only_with_base_colon_adapter(engine, client):
+    name, server, paths = engine
+    run(client.load_adapter("chat-a", paths["a"]))
+    msgs = [{"role": "user", "content": "Tell me a number"}]
+    p = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    base = run(client.chat(msgs, p))["choices"][0]["message"]["content"]
+    lora = run(client.chat(msgs, p, adapter="chat-a"))["choices"][0]["message"]["content"]
+    assert base != lora, "the client's chat request did not select the adapter"
+    run(client.unload_adapter("chat-a"))
+
+
+def test_adapter_name_errors(engine, client):
+    name, _, paths = engine
+    run(client.load_adapter("dup", paths["a"]))
+    with pytest.raises(AdapterExistsError):
+        run(client.load_adapter("dup", paths["b"]))
+    run(client.unload_adapter("dup"))
+    with pytest.raises(UnknownAdapterError):
+        run(client.unload_adapter("never-loaded"))
+    with pytest.raises(AdapterRankError):
+        run(client.load_adapter("too-big", paths["r32"]))  # server started with max_lora_rank=16
+
+
+def test_prefix_cache_reuse_is_namespaced_per_adapter(engine, client, tiny_tokenizer):
+    name, _, paths = engine
+    ids = _prompt(tiny_tokenizer, "a shared prompt " * 20)
+    p = SamplingParams(max_new_tokens=2, temperature=1.0)
+    run(client.generate(ids, p))
+    again = run(client.generate(ids, p))[0]
+    assert again.cached_tokens >= len(ids) // 2, f"repeated prefix not reused: {again.cached_tokens}"
+    run(client.load_adapter("ns-b", paths["b"]))
+    first_under_adapter = run(client.generate(ids, p, adapter="ns-b"))[0]
+    assert first_under_adapter.cached_tokens == 0, "prefix computed by the base model reused under an adapter"
+    run(client.unload_adapter("ns-b"))
+
+
+def test_hit_rate_from_server_counters(engine, client, tiny_tokenizer):
+    before = cache_counters(run(client.metrics_text()), "sglang")
+    ids = _prompt(tiny_tokenizer, "counters " * 15)
+    for _ in range(3):
+        run(client.generate(ids, SamplingParams(max_new_tokens=1)))
+    after = cache_counters(run(client.metrics_text()), "sglang")
+    assert after.prompt_tokens - before.prompt_tokens >= 3 * len(ids) - 3
+    assert after.cached_tokens > before.cached_tokens

@@ -145,12 +145,12 @@ def child_env(engine: str, extra_env: dict[str, str]) -> dict[str, str]:
 def _candidates(engine: str, python) -> list[tuple[str, Path, bool]]:
     """(where, interpreter path, explicitly chosen) in search order."""
     if python is not None:
-        return [("python argument", Path(python), True)]
+        return [("python argument", _on_path(python), True)]
     if engine == "cpu":
         return [("the kernel's interpreter", Path(sys.executable), True)]
     var = PYTHON_VARS[engine]
     if os.environ.get(var):
-        return [(var, Path(os.environ[var]), True)]
+        return [(var, _on_path(os.environ[var]), True)]
     found = [(f"conda env {CONDA_ENVS[engine]}", p, False) for p in _conda_pythons(CONDA_ENVS[engine])]
     found += [(f"venv {VENV_DIRS[engine]}", root / VENV_DIRS[engine] / "bin" / "python", False)
               for root in _roots()]
@@ -160,6 +160,17 @@ def _candidates(engine: str, python) -> list[tuple[str, Path, bool]]:
             seen.add(item[1])
             unique.append(item)
     return unique
+
+
+def _on_path(python: str | os.PathLike) -> Path:
+    """A bare name ("python3") is looked up on PATH, like a shell would."""
+    if os.sep not in os.fspath(python):
+        return Path(shutil.which(os.fspath(python)) or python)
+    return Path(python)
+
+
+def _conda_exe() -> str | None:
+    return os.environ.get("CONDA_EXE") or shutil.which("conda")
 
 
 def _conda_pythons(name: str) -> list[Path]:
@@ -178,7 +189,7 @@ def _conda_pythons(name: str) -> list[Path]:
 
 
 def _conda_info_envs() -> list[str]:
-    conda = os.environ.get("CONDA_EXE") or shutil.which("conda")
+    conda = _conda_exe()
     if not conda:
         return []
     try:
@@ -209,7 +220,7 @@ def _not_found_message(engine: str, looked: list[str]) -> str:
         return ("the CPU engine (artsg_nb.cpu_engine) does not import in "
                 + "; ".join(looked) + ". Try: `pip install -e .` in the kernel's environment.")
     conda_cmd, make_cmd = _CREATE[engine]
-    has_conda = bool(os.environ.get("CONDA_EXE") or shutil.which("conda"))
+    has_conda = bool(_conda_exe())
     create = (f"`{conda_cmd}` (or `{make_cmd}` for a venv)" if has_conda
               else f"`{make_cmd}` (no conda on this machine)")
     where = "\n".join(f"  - {item}" for item in looked) or "  - (nothing)"

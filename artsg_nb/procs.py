@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -117,9 +118,10 @@ def _signal_group(pgid: int, sig: int) -> bool:
 def _wait_group(pgid: int, timeout_s: float, proc: subprocess.Popen | None) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
-        _reap(proc)
-        if not group_members(pgid):
-            _reap(proc)
+        # A leader whose other threads are still exiting already reads as a zombie: for our own
+        # child, wait until it is really reaped.
+        reaped = proc is None or proc.poll() is not None
+        if reaped and not group_members(pgid):
             return True
         if time.monotonic() > deadline:
             return False
@@ -244,11 +246,20 @@ def port_is_free(host: str, port: int) -> bool:
             return False
 
 
-def pick_free_port(host: str) -> int:
-    """A port the OS says is free on `host` right now."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+FREE_PORT_RANGE = (20000, 32768)
+"""Where free ports are picked: below Linux's ephemeral range (32768-60999), so an outgoing
+connection cannot grab the port before the server binds it, and low enough for SGLang, which
+derives a gRPC port = port + 10000 and refuses to start when that passes 65535."""
+
+
+def pick_free_port(host: str, tries: int = 200) -> int:
+    """A port in FREE_PORT_RANGE that is free on `host` right now."""
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(tries):
+        port = rng.randrange(*FREE_PORT_RANGE)
+        if port_is_free(host, port):
+            return port
+    raise OSError(f"no free port on {host} in {FREE_PORT_RANGE} after {tries} tries")
 
 
 def wait_port_free(host: str, port: int, timeout_s: float = 5.0) -> bool:

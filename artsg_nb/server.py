@@ -133,6 +133,9 @@ class ServerConfig:
             raise ValueError(f"mem_fraction={self.mem_fraction} must be in (0, 1)")
         if self.port is not None and not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} is not a TCP port")
+        if self.engine == "sglang" and (self.port or 0) > 55535 and "SGLANG_GRPC_PORT" not in self.env:
+            raise ValueError(f"port={self.port}: SGLang derives a gRPC port = port + 10000, which "
+                             "must stay ≤ 65535; use a port ≤ 55535 (or None for a free one)")
 
     @property
     def timeout_s(self) -> float:

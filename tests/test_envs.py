@@ -28,7 +28,7 @@ def clean_env(monkeypatch, tmp_path):
                 *envs.PYTHON_VARS.values(), *envs.PYTHONPATH_VARS.values(), *envs.ENV_VARS.values()):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(envs, "_conda_info_envs", lambda: [])
-    monkeypatch.setattr(envs.shutil, "which", lambda name: None)
+    monkeypatch.setattr(envs, "_conda_exe", lambda: os.environ.get("CONDA_EXE"))
     monkeypatch.setattr(envs, "_roots", lambda: [tmp_path / "repo"])
     monkeypatch.chdir(tmp_path)
 
@@ -92,6 +92,13 @@ def test_failing_explicit_python_is_reported_not_replaced(tmp_path):
     with pytest.raises(ServerEnvNotFoundError, match="No module named 'sglang'") as err:
         find_server_env("sglang", python=bad)
     assert ".venv-server" not in str(err.value)
+
+
+def test_bare_name_is_looked_up_on_path(tmp_path, monkeypatch):
+    fake_python(tmp_path / "bin" / "python3", "echo 0.5.14")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("ARTSG_SERVER_PYTHON", "python3")  # as tools/gpu/install.sh exports it
+    assert find_server_env("sglang").python == str(tmp_path / "bin" / "python3")
 
 
 def test_import_check_times_out(tmp_path):

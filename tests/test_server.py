@@ -317,13 +317,22 @@ def test_config_validation():
         ServerConfig("sglang", "M", "r", mem_fraction=1.5)
     with pytest.raises(ValueError, match="needs a port"):
         build_command(ServerConfig("sglang", "M", "r"))
+    with pytest.raises(ValueError, match="gRPC port"):
+        ServerConfig("sglang", "M", "r", port=60000)
+
+
+def test_free_ports_suit_sglang():
+    ports = {procs.pick_free_port("127.0.0.1") for _ in range(50)}
+    assert all(20000 <= p < 32768 and p + 10000 <= 65535 for p in ports) and len(ports) > 40
 
 
 # ---- the real CPU engine --------------------------------------------------------------------
 HAS_CPU_ENGINE = importlib.util.find_spec("artsg_nb.cpu_engine") is not None
+HAS_WEB = all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn"))
 
 
 @pytest.mark.skipif(not HAS_CPU_ENGINE, reason="artsg_nb/cpu_engine.py is not written yet")
+@pytest.mark.skipif(not HAS_WEB, reason="the CPU engine's fastapi/uvicorn are not installed here")
 def test_real_cpu_engine_starts_and_stops(tmp_path):
     from artsg_nb.tiny_model import default_model_dir
 
@@ -336,3 +345,75 @@ def test_real_cpu_engine_starts_and_stops(tmp_path):
         pid, started = srv.pid, srv.record.create_time
         srv.stop()
     assert gone(pid, started) and not srv.alive()
+
+
+# ---- real SGLang on a GPU host (see tools/gpu/README.md) -------------------------------------
+def _sglang_env_ready() -> bool:
+    from artsg_nb.gpus import list_gpus
+    return bool(os.environ.get("ARTSG_SERVER_PYTHON")) and bool(list_gpus())
+
+
+SGLANG_TEST_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
+                    "--grammar-backend", "none", "--disable-cuda-graph")  # valid for any 0.5.x
+
+KERNEL_STARTS_SGLANG = r'''
+import sys
+from artsg_nb.gpus import plan_gpus
+from artsg_nb.server import ServerConfig, start_server
+s = start_server(ServerConfig("sglang", sys.argv[1], sys.argv[2], gpu_plan=plan_gpus(prefer="colocated"),
+                              mem_fraction=0.3, extra_args=tuple(sys.argv[3:])))
+print(s.port, s.pid, flush=True)
+import time; time.sleep(900)
+'''
+
+
+def _gpu0_used_gib() -> float:
+    from artsg_nb.gpus import list_gpus
+    return list_gpus()[0].mem_used_mib / 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.sglang
+@pytest.mark.skipif(not _sglang_env_ready(), reason="needs a GPU and ARTSG_SERVER_PYTHON (real SGLang)")
+def test_real_sglang_orphan_reaped_then_start_stop(tmp_path):
+    """A kernel that dies leaves SGLang (and its scheduler workers) running on the GPU; the next
+    start reaps the whole group and frees the memory; its own server stops cleanly too."""
+    from artsg_nb.gpus import plan_gpus
+    from artsg_nb.tiny_model import default_model_dir
+
+    model = str(default_model_dir("0.5b", pretrain_steps=0))
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL_STARTS_SGLANG, model, str(tmp_path / "dead"),
+                               *SGLANG_TEST_ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = kernel.stdout.readline()
+    if not line:
+        kernel.wait()
+        pytest.fail(f"the kernel could not start SGLang:\n{kernel.stderr.read()[-4000:]}")
+    kernel.stderr.close()
+    port, pid = map(int, line.split())
+    workers = procs.group_members(pid)
+    held = _gpu0_used_gib()
+    assert len(workers) >= 2 and held > 20, (workers, held)  # 0.3 × 141 GiB reserved
+    kernel.send_signal(signal.SIGKILL)
+    kernel.wait()
+    kernel.stdout.close()
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200  # orphaned, alive
+
+    cfg = ServerConfig("sglang", model, str(tmp_path / "new"), gpu_plan=plan_gpus(prefer="colocated"),
+                       mem_fraction=0.3, extra_args=SGLANG_TEST_ARGS)
+    t0 = time.monotonic()
+    srv = start_server(cfg)  # reaps first
+    try:
+        print(f"SGLang {srv.server_env.version} ready in {time.monotonic() - t0:.0f} s; "
+              f"orphan held {held:.1f} GiB")
+        assert not any(procs.is_running(w, None) for w in workers)
+        assert procs.port_is_free("127.0.0.1", port)
+        assert health(srv) == 200 and len(procs.group_members(srv.pid)) >= 2
+        assert start_server(cfg) is srv
+        cmd = srv.record.command
+        assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.3"
+    finally:
+        srv.stop(timeout_s=30)
+    deadline = time.monotonic() + 30
+    while _gpu0_used_gib() > 5 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _gpu0_used_gib() < 5, "GPU memory not released after stop"

@@ -277,8 +277,9 @@ async def _raw_group(raw: RawEngine, members: list[RawPlan], schedule: str) -> N
     async def play(i: int, plan: RawPlan) -> None:
         if schedule == "prefix" and i > 0:
             await released.wait()
+        lead = schedule == "prefix" and i == 0  # only a leader streams (as in rollout.py)
         try:
-            [first] = await raw.generate(prompt, on_first=released.set if i == 0 else None)
+            [first] = await raw.generate(prompt, on_first=released.set if lead else None)
         finally:
             released.set()
         await _raw_episode(raw, plan, first)

@@ -26,6 +26,10 @@ What it does
     "n"            one request with n = G per group (engine-native parallel sampling; SGLang
                    primes the cache with a prefill-only copy first, vLLM shares blocks).
   Only turn 1 is scheduled; later turns extend each episode's own history.
+- Seeds: with `sampling_seed_base`, member i of a group at model turn t is sampled with the seed
+  `request_seed(base, group seed, t) + i` (an n-sample request for members i..i+n-1 sends the
+  seed of member i: engines seed sample j with seed + j), so a redone or resumed step draws the
+  same samples under every schedule.
 
 What it does not do: talk HTTP (client.py), compute advantages (grpo.py), build tensors
 (trainer.py). Env methods are called in the event loop, so they should be quick.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -84,6 +89,9 @@ class Trajectory:
     """Env seed of the group."""
     finish_reasons: list[str] = field(default_factory=list)
     """Server finish reason per model turn: "stop" | "length" | "abort"."""
+    turn_stats: list[dict] = field(default_factory=list)
+    """Per model turn: {"prompt_tokens", "cached_tokens"} as the server reported them (the sums
+    are `prompt_tokens` / `cached_tokens`); analysis.turn_hit_rates tabulates them."""
 
     @property
     def valid(self) -> bool:
@@ -129,7 +137,7 @@ def turn_end_text(tokenizer, messages: list[dict]) -> str:
 
 
 def env_suffix_ids(tokenizer, history_ids: list[int], messages: list[dict],
-                   new_messages: list[dict]) -> tuple[list[int], bool]:
+                   new_messages: list[dict], reply_ids: list[int] | None = None) -> tuple[list[int], bool]:
     """Tokens to append after a model turn: the turn's closing tokens, `new_messages`, the
     generation prompt. Returns (ids, used_fallback).
 
@@ -144,17 +152,21 @@ def env_suffix_ids(tokenizer, history_ids: list[int], messages: list[dict],
     3. Fallback: tokenise, as text, only what the template adds after the reply (the rest of
        the turn ending, the new messages, the generation prompt) and append it. With ChatML
        every such piece starts after a special token, so no BPE merge crosses the boundary.
+    Step 2 tokenises the whole history (O(history) per turn: ~4 ms at 1.5k tokens, ~25 ms at
+    6k on one core); given the model's `reply_ids`, it is skipped when they are not the reply
+    text's own tokenisation: the prefix then (nearly) never matches, and the fallback is valid.
     """
     closing = turn_end_text(tokenizer, messages[:-1])
     end_ids = tokenizer.encode(closing, add_special_tokens=False)
-    eos = end_ids[:1]
+    eos = end_ids[:1]  # the turn ending's first token: the end-of-turn token in ChatML-like templates
     known = list(history_ids)
     added: list[int] = []
     if eos and known[-len(eos):] != eos:
         added, known = list(eos), known + eos
-    full = render_ids(tokenizer, messages + new_messages, add_generation_prompt=True)
-    if full[:len(known)] == known:
-        return added + full[len(known):], False
+    if reply_ids is None or _canonical(tokenizer, messages[-1]["content"], reply_ids, eos):
+        full = render_ids(tokenizer, messages + new_messages, add_generation_prompt=True)
+        if full[:len(known)] == known:
+            return added + full[len(known):], False
     previous = render_text(tokenizer, messages, add_generation_prompt=False)
     whole = render_text(tokenizer, messages + new_messages, add_generation_prompt=True)
     if not whole.startswith(previous):
@@ -164,6 +176,12 @@ def env_suffix_ids(tokenizer, history_ids: list[int], messages: list[dict],
     rest = closing[len(eos_text):] if eos_text and closing.startswith(eos_text) else closing
     tail = tokenizer.encode(rest + whole[len(previous):], add_special_tokens=False)
     return added + tail, True
+
+
+def _canonical(tokenizer, text: str, reply_ids: list[int], eos: list[int]) -> bool:
+    """Are the model's tokens (less a trailing eos) how the tokenizer itself splits `text`?"""
+    ids = reply_ids[:-len(eos)] if eos and reply_ids[-len(eos):] == eos else reply_ids
+    return tokenizer.encode(text, add_special_tokens=False) == list(ids)
 
 
 # ---------------------------------------------------------------------------- episodes
@@ -181,12 +199,24 @@ class _Ctx:
     truncation_reward: float | None
     max_turns: int
     fallbacks: int = 0
+    seed_base: int | None = None
+
+    def seed(self, group_seed: int, turn: int, index: int) -> int | None:
+        """Sampling seed of group member `index` at model turn `turn`; None when unseeded."""
+        return None if self.seed_base is None else request_seed(self.seed_base, group_seed, turn) + index
+
+
+def request_seed(base: int, group_seed: int, turn: int) -> int:
+    """Seed of member 0 of a group at one turn; member i uses this + i. Below 2**31 - 2**16, so
+    it stays a valid 32-bit seed for any group size an engine accepts."""
+    return random.Random(f"{base}/{group_seed}/{turn}").randrange((1 << 31) - (1 << 16))
 
 
 async def _generate(ctx: _Ctx, ids: list[int], max_new: int, n: int = 1,
-                    on_first_token: Callable | None = None) -> list:
+                    on_first_token: Callable | None = None, seed: int | None = None) -> list:
     """One server request → `n` Generations. At most `concurrency` of these run at once."""
-    params = replace(ctx.params, max_new_tokens=max_new, n=n)
+    seeded = {"seed": seed} if hasattr(ctx.params, "seed") else {}  # per request, never the caller's
+    params = replace(ctx.params, max_new_tokens=max_new, n=n, **seeded)
     kwargs = {"on_first_token": on_first_token} if on_first_token is not None else {}
     async with ctx.sem:
         gens = await ctx.client.generate(ids, params, adapter=ctx.adapter, **kwargs)
@@ -215,14 +245,15 @@ def _append_model_turn(ctx: _Ctx, traj: Trajectory, gen, max_new: int) -> None:
     traj.messages.append({"role": "assistant", "content": gen.text})
     traj.prompt_tokens += gen.prompt_tokens
     traj.cached_tokens += gen.cached_tokens
+    traj.turn_stats.append({"prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens})
     traj.finish_reasons.append(gen.finish_reason)
     traj.turns += 1
     if gen.finish_reason == "length" and max_new < ctx.params.max_new_tokens:
         traj.truncated = True  # the budget, not max_new_tokens, cut this reply
 
 
-def _append_env_turn(ctx: _Ctx, traj: Trajectory, new_messages: list[dict]) -> None:
-    ids, fallback = env_suffix_ids(ctx.tokenizer, traj.token_ids, traj.messages, new_messages)
+def _append_env_turn(ctx: _Ctx, traj: Trajectory, new_messages: list[dict], reply_ids: list[int]) -> None:
+    ids, fallback = env_suffix_ids(ctx.tokenizer, traj.token_ids, traj.messages, new_messages, reply_ids)
     ctx.fallbacks += fallback
     traj.token_ids += ids
     traj.completion_mask += [0] * len(ids)
@@ -241,7 +272,8 @@ def _cut(ctx: _Ctx, traj: Trajectory) -> None:
     traj.reward = ctx.truncation_reward
 
 
-async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_new: int) -> Trajectory:
+async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_new: int,
+                index: int) -> Trajectory:
     """Play one episode from its (scheduled) first generation; errors end up in `traj.error`."""
     try:
         gen, max_new = await first, first_max_new
@@ -253,12 +285,12 @@ async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_ne
                 return traj
             if traj.turns >= ctx.max_turns:
                 raise RolloutError(f"the env was not done after max_turns={ctx.max_turns} turns")
-            _append_env_turn(ctx, traj, result.messages)
+            _append_env_turn(ctx, traj, result.messages, gen.output_ids)
             max_new = _room(ctx, len(traj.token_ids))
             if max_new < 1:
                 _cut(ctx, traj)
                 return traj
-            [gen] = await _generate(ctx, traj.token_ids, max_new)
+            [gen] = await _generate(ctx, traj.token_ids, max_new, seed=ctx.seed(traj.seed, traj.turns, index))
     except Exception as exc:  # a failed rollout is data, not a crash (see module docstring)
         traj.error = f"{type(exc).__name__}: {exc}"
         log.debug("rollout seed=%d failed", traj.seed, exc_info=True)
@@ -280,7 +312,7 @@ class _Release:
             self.event.set()
 
 
-async def _lead(ctx: _Ctx, ids: list[int], max_new: int, release: _Release) -> Any:
+async def _lead(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, seed: int | None) -> Any:
     arrived = False
 
     def first_token(*_: Any) -> None:
@@ -290,40 +322,42 @@ async def _lead(ctx: _Ctx, ids: list[int], max_new: int, release: _Release) -> A
             release.arrive()
 
     try:
-        [gen] = await _generate(ctx, ids, max_new, on_first_token=first_token)
+        [gen] = await _generate(ctx, ids, max_new, on_first_token=first_token, seed=seed)
         return gen
     finally:
         first_token()  # a leader that fails (or never streamed) still releases its followers
 
 
-async def _follow(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, n: int = 1) -> list:
+async def _follow(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, seed: int | None,
+                  n: int = 1) -> list:
     await release.event.wait()
-    return await _generate(ctx, ids, max_new, n=n)
+    return await _generate(ctx, ids, max_new, n=n, seed=seed)
 
 
 async def _pick(shared: Awaitable, i: int) -> Any:
     return (await shared)[i]
 
 
-async def _single(ctx: _Ctx, ids: list[int], max_new: int) -> Any:
-    [gen] = await _generate(ctx, ids, max_new)
+async def _single(ctx: _Ctx, ids: list[int], max_new: int, seed: int | None) -> Any:
+    [gen] = await _generate(ctx, ids, max_new, seed=seed)
     return gen
 
 
 def _first_turns(ctx: _Ctx, schedule: str, ids: list[int], max_new: int, size: int,
-                 release: _Release | None) -> list[Awaitable]:
+                 release: _Release | None, group_seed: int) -> list[Awaitable]:
     """One awaitable first Generation per group member, submitted in `schedule`'s order."""
+    seeds = [ctx.seed(group_seed, 0, i) for i in range(size)]  # member i's, whatever the schedule
     if schedule == "naive" or size == 1:
-        return [_single(ctx, ids, max_new) for _ in range(size)]
+        return [_single(ctx, ids, max_new, seeds[i]) for i in range(size)]
     if schedule == "n":
-        shared = asyncio.ensure_future(_generate(ctx, ids, max_new, n=size))
+        shared = asyncio.ensure_future(_generate(ctx, ids, max_new, n=size, seed=seeds[0]))
         return [_pick(shared, i) for i in range(size)]
     release = release or _Release(1)  # "prefix"/"prefix_n": this group's leader only
-    leader = _lead(ctx, ids, max_new, release)
+    leader = _lead(ctx, ids, max_new, release, seeds[0])
     if schedule == "prefix_n":
-        shared = asyncio.ensure_future(_follow(ctx, ids, max_new, release, n=size - 1))
+        shared = asyncio.ensure_future(_follow(ctx, ids, max_new, release, seeds[1], n=size - 1))
         return [leader] + [_pick(shared, i) for i in range(size - 1)]
-    return [leader] + [_pick(_follow(ctx, ids, max_new, release), 0) for _ in range(size - 1)]
+    return [leader] + [_pick(_follow(ctx, ids, max_new, release, seeds[i]), 0) for i in range(1, size)]
 
 
 async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
@@ -332,7 +366,7 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
     try:
         envs = [task.make_env(seed) for _ in range(size)]
         openings = [env.reset() for env in envs]
-        prompts = [render_ids(ctx.tokenizer, m, add_generation_prompt=True) for m in openings]
+        prompts = _render_prompts(ctx.tokenizer, openings)
     except Exception as exc:
         if release is not None:
             release.arrive()
@@ -351,14 +385,22 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
             t.error = (f"RolloutError: the prompt has {len(t.token_ids)} tokens, no room under "
                        f"max_seq_tokens={ctx.max_seq_tokens}")
         return TrajectoryGroup(seed, trajs)
-    firsts = _first_turns(ctx, schedule, prompts[0], max_new, size, release)
+    firsts = _first_turns(ctx, schedule, prompts[0], max_new, size, release, seed)
 
-    async def play(env, traj, first):
-        out = await _play(ctx, env, traj, first, max_new)
+    async def play(env, traj, first, index):
+        out = await _play(ctx, env, traj, first, max_new, index)
         done()
         return out
 
-    return TrajectoryGroup(seed, list(await asyncio.gather(*map(play, envs, trajs, firsts))))
+    return TrajectoryGroup(seed, list(await asyncio.gather(*map(play, envs, trajs, firsts, range(size)))))
+
+
+def _render_prompts(tokenizer, openings: list[list[dict]]) -> list[list[int]]:
+    """Turn-1 prompt ids per member, rendered once when the openings agree (the usual case:
+    tokenising a long prompt G times would delay the group's requests measurably)."""
+    first = render_ids(tokenizer, openings[0], add_generation_prompt=True)
+    return [first if m == openings[0] else render_ids(tokenizer, m, add_generation_prompt=True)
+            for m in openings]
 
 
 def _failed(ctx: _Ctx, seed: int, error: str) -> Trajectory:
@@ -369,20 +411,24 @@ def _failed(ctx: _Ctx, seed: int, error: str) -> Trajectory:
 async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_size: int, params,
                          adapter: str | None = None, concurrency: int = 64, schedule: str = "prefix",
                          max_seq_tokens: int = 4096, truncation_reward: float | None = 0.0,
-                         progress: bool = False) -> list[TrajectoryGroup]:
+                         progress: bool = False, sampling_seed_base: int | None = None,
+                         ) -> list[TrajectoryGroup]:
     """Play `group_size` episodes of `task` per seed; one TrajectoryGroup per seed, in order.
 
     `params` (client.SamplingParams) applies to every model turn; its `n` is ignored (the
     schedule decides). `concurrency` bounds HTTP requests in flight (an n-sample request counts
     once). `truncation_reward` is the reward of an episode cut by `max_seq_tokens` before the
-    env finished (None: record it as failed instead). Never raises for a failed rollout.
+    env finished (None: record it as failed instead). `sampling_seed_base` seeds every request
+    from (base, group seed, turn, member) — see the module docstring; `params.seed` is ignored
+    (like `n`), since one seed for every request would make the G samples identical. Never
+    raises for a failed rollout.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if group_size < 1 or concurrency < 1:
         raise ValueError(f"group_size and concurrency must be >= 1 (got {group_size}, {concurrency})")
     ctx = _Ctx(client, tokenizer, params, adapter, asyncio.Semaphore(concurrency), max_seq_tokens,
-               truncation_reward, max(1, int(getattr(task, "max_turns", 1) or 1)))
+               truncation_reward, max(1, int(getattr(task, "max_turns", 1) or 1)), seed_base=sampling_seed_base)
     release = _Release(len(seeds)) if schedule == "prefix_sync" and group_size > 1 else None
     with tqdm(total=len(seeds) * group_size, desc="rollouts", disable=not progress) as bar:
         groups = await asyncio.gather(*(

@@ -160,9 +160,10 @@ def test_env_suffix_canonical_reply_uses_full_rendering(chatml_tokenizer):
     new = [{"role": "user", "content": "wrong again"}]
     full = render_ids(tok, convo + new, add_generation_prompt=True)
     for output in (reply + [eos], reply):  # with and without the eos in the server output
-        ids, fallback = env_suffix_ids(tok, prompt + output, convo, new)
-        assert not fallback
-        assert prompt + output + ids == full
+        for reply_ids in (None, output):
+            ids, fallback = env_suffix_ids(tok, prompt + output, convo, new, reply_ids)
+            assert not fallback
+            assert prompt + output + ids == full
     assert turn_end_text(tok, msgs) == "<|im_end|>\n"
 
 
@@ -176,6 +177,7 @@ def test_env_suffix_noncanonical_reply_falls_back_to_text(chatml_tokenizer):
     new = [{"role": "user", "content": "wrong again"}]
     ids, fallback = env_suffix_ids(tok, prompt + chars, convo, new)
     assert fallback
+    assert env_suffix_ids(tok, prompt + chars, convo, new, reply_ids=chars) == (ids, True)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     assert ids[0] == eos  # the closing token the server did not send
     full_text = tok.decode(render_ids(tok, convo + new, add_generation_prompt=True))

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# GPU validation phases for the H200 host, run after tools/gpu/install.sh in one device command:
+#
+#   bash tools/gpu/install.sh && bash tools/gpu/validate.sh models probe-tiny train ...
+#
+# Each phase runs with its own time limit, logs to $OUT/<phase>.log (the device tool brings $OUT
+# back) and prints one PASS/FAIL line; a failing phase does not stop the next. Models are built
+# into /tmp/models (kept while the host stays warm). Phases:
+#   models      tiny (CI's, pretrained) and 0.5b (Qwen2.5-0.5B's shape) via python -m artsg_nb.tiny_model
+#   probe-tiny  tools/gpu/probe_engine.py on the tiny model with real SGLang (served? adapters? cache?)
+#   probe-05b   the same on the 0.5b model
+#   tests       pytest -m "gpu or sglang" with ARTSG_TEST_ENGINES=sglang (engine integration tests)
+#   train       python -m artsg_nb.train on SGLang, colocated on this GPU, a few steps
+#   notebook    the quickstart executed headless against SGLang (python -m artsg_nb.demo)
+#   bench       python -m artsg_nb.bench on SGLang: schedules x radix on/off + reload latency
+#   trainer-tps trainer tokens/s with and without Unsloth (tools/gpu/trainer_tps.py)
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 99
+source /tmp/artsg-env.sh || { echo "run tools/gpu/install.sh first"; exit 99; }
+OUT=${OUT:-/tmp/artsg-out}; mkdir -p "$OUT" /tmp/models
+export ARTSG_SGLANG_ARGS=${ARTSG_SGLANG_ARGS:-"--attention-backend triton --sampling-backend pytorch --grammar-backend none --cuda-graph-max-bs 80"}
+export ARTSG_VLLM_ARGS=${ARTSG_VLLM_ARGS:-"--attention-backend TRITON_ATTN"}
+export ARTSG_CACHE=/tmp/artsg-cache PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+TINY=/tmp/models/tiny; BIG=/tmp/models/0.5b
+FAILS=0
+
+phase() {  # phase NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
+    echo "PASS $name $((SECONDS - t0)) s"
+  else
+    echo "FAIL $name $((SECONDS - t0)) s"; tail -15 "$OUT/$name.log" | cut -c1-300 | sed 's/^/    /'
+    FAILS=$((FAILS + 1))
+  fi
+}
+
+for p in "$@"; do
+  case $p in
+    models)      phase models 240 bash -c "python3 -m artsg_nb.tiny_model $TINY && python3 -m artsg_nb.tiny_model $BIG --size 0.5b" ;;
+    probe-tiny)  phase probe-tiny 300 python3 tools/gpu/probe_engine.py --engine sglang --model $TINY --run-dir /tmp/probe-tiny --out "$OUT/probe_tiny.json" ;;
+    probe-05b)   phase probe-05b 300 python3 tools/gpu/probe_engine.py --engine sglang --model $BIG --run-dir /tmp/probe-05b --out "$OUT/probe_05b.json" ;;
+    tests)       phase tests 400 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q -m "gpu or sglang" tests ;;
+    train)       phase train 400 python3 -m artsg_nb.train --engine sglang --model $TINY --steps ${TRAIN_STEPS:-5} --run-dir /tmp/runs/train-sglang ;;
+    notebook)    phase notebook 500 python3 -m artsg_nb.demo --run-dir /tmp/runs/demo-sglang ;;
+    bench)       phase bench 500 python3 -m artsg_nb.bench --engine sglang --model $BIG --groups 8 --group-size 8 \
+                   --prompt-tokens 1500 --new-tokens 128 --schedule ${BENCH_SCHEDULES:-naive,prefix,prefix_n,n} --radix on,off \
+                   --repeats 2 --out "$OUT/bench_sglang.csv" ;;
+    trainer-tps) phase trainer-tps 300 python3 tools/gpu/trainer_tps.py --model $BIG --out "$OUT/trainer_tps.json" ;;
+    *) echo "unknown phase $p"; FAILS=$((FAILS + 1)) ;;
+  esac
+done
+for f in /tmp/runs/*/history.jsonl; do [[ -f $f ]] && cp "$f" "$OUT/$(basename "$(dirname "$f")")_history.jsonl"; done
+exit $FAILS

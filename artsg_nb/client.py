@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -62,6 +63,10 @@ class SamplingParams:
     """Keep generating past eos (benchmarks with a fixed output length)."""
     n: int = 1
     """Samples per request (a GRPO group shares one prompt)."""
+    seed: int | None = None
+    """Per-request sampling seed; sample j of an n-request uses seed + j (SGLang `sampling_seed`,
+    honoured only with --enable-deterministic-inference, and refused by the flashinfer sampler with
+    top-p/top-k; vLLM `seed`; the CPU engine always). None: the server's own random stream."""
 
 
 @dataclass
@@ -109,7 +114,8 @@ class ServerUnavailableError(EngineError):
 
 _EXISTS = ("already loaded", "already been loaded", "already exists")
 _UNKNOWN = ("does not exist", "never been loaded", "cannot be found", "not found")
-_RANK = ("rank", "target module")
+# Whole words: a path such as /home/frank/... in the message must not read as a rank problem.
+_RANK = re.compile(r"\brank\b|target[ _-]modules?")
 _HINTS = {
     AdapterExistsError: "Adapter names are immutable: load each version under a new name "
                         "(policy-step-N) from a new directory, or unload the old one first.",
@@ -137,7 +143,7 @@ def classify_error(status: int, message: str, op: str) -> type[EngineError]:
     low = message.lower()
     if op == "load" and any(s in low for s in _EXISTS):
         return AdapterExistsError
-    if op == "load" and any(s in low for s in _RANK):
+    if op == "load" and _RANK.search(low):
         return AdapterRankError
     if op in ("unload", "use") and (status == 404 or any(s in low for s in _UNKNOWN)):
         return UnknownAdapterError
@@ -418,6 +424,8 @@ class SGLangClient(EngineClient):
             sampling["stop"] = list(params.stop)
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
         payload = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
         if adapter is not None:
             payload["lora_path"] = adapter  # the adapter's *name*, despite the field's name
@@ -518,6 +526,8 @@ def chat_payload(model: str, messages: list[dict], params: SamplingParams, logpr
         payload["stop_token_ids"] = list(params.stop_token_ids)
     if params.ignore_eos:
         payload["ignore_eos"] = True
+    if params.seed is not None:
+        payload["seed"] = params.seed
     return {**payload, **extra}
 
 

@@ -50,6 +50,8 @@ class VLLMClient(EngineClient):
             payload["stop"] = list(params.stop)
         if params.stop_token_ids:
             payload["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:
+            payload["seed"] = params.seed
         return payload
 
     async def _generate(self, input_ids, params, adapter) -> list[Generation]:

@@ -73,6 +73,10 @@ class PortInUseError(ServerStartError):
     """The requested port is taken (checked before launch, or seen in the log on bind)."""
 
 
+class ModelPathError(ServerError):
+    """model_path is a local path but not a model directory (checked before launch)."""
+
+
 @dataclass
 class ServerConfig:
     """How to launch one inference server. Save with `asdict`, vary with `dataclasses.replace`."""
@@ -263,6 +267,8 @@ class Server:
             return self
         self.stop(timeout_s=5)  # after a crash: workers it left behind, its records
         cfg = self.config
+        if not cfg._command_override:
+            check_model_path(cfg.model_path)
         reap_orphans()
         self._check_run_dir_record()
         for name in _ignored_options(cfg):
@@ -413,6 +419,36 @@ class Server:
         log.warning("stopping the %s server pid %d left in %s", rec.engine, rec.pid, rec.run_dir)
         procs.stop_group(rec.pgid)
         rec.remove()
+
+
+# What every engine reads from a model directory (save_pretrained writes all three).
+_MODEL_FILES = {"config.json": ("config.json",),
+                "weights (*.safetensors)": ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf"),
+                "tokenizer (tokenizer.json or tokenizer_config.json)": ("tokenizer.json", "tokenizer_config.json",
+                                                                        "tokenizer.model", "vocab.json")}
+
+
+def check_model_path(model_path: str) -> None:
+    """Refuse, before anything is launched, a local model_path that is not a model directory (an
+    engine would fail only after loading for a minute). Hub ids ("org/name") are the engine's
+    business."""
+    path = Path(model_path).expanduser()
+    what = ("A model directory holds config.json, the weights (*.safetensors) and the tokenizer "
+            "files (tokenizer.json / tokenizer_config.json), as save_pretrained writes them")
+    looks_local = path.is_absolute() or model_path.startswith((".", "~")) or model_path.count("/") > 1
+    if not path.exists():
+        if looks_local:
+            raise ModelPathError(f"model_path {model_path} does not exist. {what}; a hub id such as "
+                                 "Qwen/Qwen2.5-0.5B-Instruct is downloaded by the engine instead.")
+        return
+    if not path.is_dir():
+        raise ModelPathError(f"model_path {model_path} is a file, not a model directory. {what}.")
+    missing = [name for name, patterns in _MODEL_FILES.items()
+               if not any(next(path.glob(p), None) for p in patterns)]
+    if missing:
+        raise ModelPathError(f"model_path {model_path} is not a model directory: it has no "
+                             f"{', no '.join(missing)}. {what}. Try: point model_path at the directory "
+                             "you saved the model to (artsg_nb.default_model_dir() builds a tiny one).")
 
 
 _REGISTRY: dict[tuple[str, str], Server] = {}   # (run_dir, engine) → the server start_server gave

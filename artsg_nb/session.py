@@ -4,8 +4,11 @@ What it does: plans the GPUs, starts the inference server kernel-side (SGLang, v
 engine), builds the trainer, and runs GRPO steps — rollouts from the server under the current
 adapter, one update, the new adapter saved atomically and hot-reloaded under `policy-step-N`,
 one history row. If the server dies mid-step it is restarted (bounded by `max_restarts`), the
-newest adapter reloaded, and the unfinished rollouts redone; completed steps are never lost.
-`resume=True` continues a run from its newest complete checkpoint.
+newest adapter reloaded, and the step's rollouts redone with the same sampling seeds; completed
+steps are never lost. An adapter that cannot be saved (disk full) rolls the trainer back to the
+served version, so the step can simply be run again. `resume=True` continues a run from its
+newest completed step (a checkpoint with its history row); with the same seed it draws the same
+samples an uninterrupted run would.
 
 What it does not do: the loss (grpo.py), the optimizer (trainer.py), HTTP details (client.py),
 or drawing (plots.py, widgets.py). The algorithm in one paragraph: for each step, sample
@@ -82,7 +85,8 @@ class RunConfig:
 
 
 class ServerLostError(RuntimeError):
-    """The server died and the restart policy is off or exhausted."""
+    """The server died and the restart policy is off or exhausted (message: the cause, what to
+    do, the log tail). Completed steps stay in run_dir; continue with `resume=True`."""
 
 
 class GRPORun:
@@ -146,7 +150,7 @@ class GRPORun:
         if self.trainer is None:
             raise RuntimeError("call start() before step()")
         if not self._published:
-            await self._with_restarts(self.publisher.publish, self._initial)
+            await self._with_restarts(self._publish, self._initial)
             self._published = True
         step = self.trainer.step + 1
         t0 = time.perf_counter()
@@ -192,8 +196,12 @@ class GRPORun:
     def _restore_latest(self, adapters: Path):
         from .trainer import CheckpointError
 
+        # A step is complete once its history row is written: a checkpoint saved after the last
+        # row (the server died while loading it) is redone, as it would have been without the loss.
+        last_row = self.history.last["step"] if self.history.last else 0
         steps = sorted((int(p.name.rsplit("-", 1)[1]) for p in adapters.glob("policy-step-*")
                         if (p / "trainer_state.json").exists()), reverse=True)
+        steps = [s for s in steps if s <= last_row]
         if not steps:
             raise CheckpointError(f"resume=True but {adapters} holds no complete checkpoint; "
                                   "start without resume or point run_dir at the run to continue")
@@ -211,6 +219,11 @@ class GRPORun:
         rng = random.Random(self.cfg.seed * 1_000_003 + step)
         return [rng.randrange(1 << 30) for _ in range(self.cfg.groups_per_step)]
 
+    def _sampling_seed_base(self, step: int) -> int:
+        """Seeds every rollout request of `step` (rollout.request_seed): a redone step, or the
+        same step of a resumed run, samples exactly what the first attempt did."""
+        return self.cfg.seed * 1_000_003 + step
+
     async def _rollouts(self, step: int):
         from .client import SamplingParams
         from .metrics import cache_counters, hit_rate
@@ -222,11 +235,21 @@ class GRPORun:
         before = cache_counters(await self.client.metrics_text(), self.tracker.engine)
         groups = await collect_groups(self.client, self.task, self.trainer.tokenizer, self._seeds(step),
                                       cfg.group_size, params, adapter=self.adapter, concurrency=cfg.concurrency,
-                                      schedule=cfg.schedule, max_seq_tokens=cfg.max_seq_tokens)
+                                      schedule=cfg.schedule, max_seq_tokens=cfg.max_seq_tokens,
+                                      sampling_seed_base=self._sampling_seed_base(step))
+        await self._raise_if_server_lost(groups)
         text = await self.client.metrics_text()
         self.tracker.add_sample(text)
-        _raise_if_server_died(self.server, groups)
         return groups, hit_rate(before, cache_counters(text, self.tracker.engine))
+
+    async def _raise_if_server_lost(self, groups) -> None:
+        """Failed rollouts and a server that exited (or no longer answers /health) are a server
+        loss: the step is redone after a restart, never trained on the rollouts that survived."""
+        from .client import ServerUnavailableError
+
+        errors = [t.error for g in groups for t in g.trajectories if t.error]
+        if errors and not (self.server.alive() and await self.client.health()):
+            raise ServerUnavailableError(f"{len(errors)} rollouts failed and the server is gone: {errors[0]}")
 
     async def _with_restarts(self, fn, *args):
         from .client import ServerUnavailableError
@@ -241,10 +264,14 @@ class GRPORun:
 
     async def _restart_or_raise(self, err: Exception) -> None:
         if self.restarts >= self.cfg.max_restarts:
+            policy = ("automatic restarts are off (max_restarts=0)" if self.cfg.max_restarts == 0 else
+                      f"all {self.cfg.max_restarts} restarts allowed by max_restarts are used")
             raise ServerLostError(
-                f"the server died ({err}) and {self.restarts} of max_restarts={self.cfg.max_restarts} restarts "
-                f"are used. Completed steps are saved in {self.run_dir}; fix the cause (see the log below), then "
-                f"start again with resume=True.\n{self.server.log_tail(20)}") from err
+                f"the {self.server.config.engine} server {_exit_status(self.server)} ({err}) and {policy}. "
+                f"Completed steps (adapters, optimizer state, history) are saved in {self.run_dir}. Try: find "
+                "the cause in the log below, then continue with GRPORun(replace(cfg, resume=True)).start(), "
+                f"or allow more restarts with max_restarts. Last 20 lines of {self.server.log_path}:\n"
+                f"{self.server.log_tail(20)}") from err
         self.restarts += 1
         log.warning("server lost (%s); restart %d/%d", err, self.restarts, self.cfg.max_restarts)
         await self.client.aclose()
@@ -260,8 +287,13 @@ class GRPORun:
         try:
             version = save_adapter_atomic(self._save_fn, self.run_dir / "adapters", self.trainer.step)
         except AdapterSaveError:
+            # The update is dropped with its adapter: the trainer returns to the served version
+            # (weights, optimizer, step, RNG), so the next step() redoes this step.
+            self.trainer.load_checkpoint(previous.path)
+            log.warning("adapter of step %d not saved; trainer rolled back to %s", self.trainer.step + 1,
+                        previous.name)
             raise
-        await self._with_restarts(self.publisher.publish, version)
+        await self._with_restarts(self._publish, version)
         reload_s = time.perf_counter() - t0
         result = {}
         if self.cfg.verify_adapter and probe is not None:
@@ -273,6 +305,12 @@ class GRPORun:
             result = await probe_served_adapter(_MaskedScorer(self.client, mask, self.cfg.temperature), version, probe.token_ids,
                                                 sel(trainer_lp), sel(prev_lp) if prev_lp else None, tol)
         return version, reload_s, result
+
+    async def _publish(self, version) -> None:
+        """Load `version`, unless the republish after a restart already did (the server died
+        while unloading the version before it): adapter names cannot be loaded twice."""
+        if self.publisher.current is None or self.publisher.current.name != version.name:
+            await self.publisher.publish(version)
 
     def _row(self, step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe) -> dict:
         trajs = [t for g in groups for t in g.trajectories]
@@ -311,13 +349,16 @@ def _probe_trajectory(groups):
     return None
 
 
-def _raise_if_server_died(server, groups) -> None:
-    """Rollouts failed and the process is gone: a server loss (redo the step), not bad rollouts."""
-    from .client import ServerUnavailableError
+def _exit_status(server) -> str:
+    """How the server process ended, for an error message ("was killed by SIGKILL", ...)."""
+    import signal
 
-    trajs = [t for g in groups for t in g.trajectories]
-    if any(t.error for t in trajs) and not server.alive():
-        raise ServerUnavailableError(f"every rollout failed and the server exited: {trajs[0].error}")
+    code = server.proc.poll() if server.proc is not None else None
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def _default_model() -> Path:

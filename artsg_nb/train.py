@@ -2,7 +2,9 @@
 
 The same code path as the notebooks (session.GRPORun), for clusters and for checks. Prints one
 line per step and leaves adapters, checkpoints, history.jsonl, the server log and a plot of the
-curves in the run directory. `--list-tasks` prints one task per line, its name first.
+curves in the run directory. `--list-tasks` prints one task per line, its name first. A user
+error (unknown task, no server environment, no GPU, bad model path, busy port, lost server, ...)
+prints its message, which says what to try, without a traceback and exits with status 1.
 """
 from __future__ import annotations
 
@@ -53,7 +55,30 @@ async def _train(run: GRPORun, steps: int) -> None:
     await run.run(steps)
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    """Errors whose message already says what happened and what to try: no traceback for them."""
+    from .client import AdapterRankError
+    from .envs import ServerEnvNotFoundError
+    from .gpus import CudaAlreadyInitializedError, NoGpuError
+    from .lora import AdapterSaveError
+    from .server import ServerError
+    from .session import ServerLostError
+    from .tasks import UnknownTaskError
+    from .trainer import CheckpointError
+
+    return (UnknownTaskError, ServerEnvNotFoundError, NoGpuError, CudaAlreadyInitializedError, ServerError,
+            ServerLostError, AdapterSaveError, AdapterRankError, CheckpointError)
+
+
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except user_errors() as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(argv=None) -> int:
     a = parse_args(argv)
     if a.list_tasks:
         from .tasks import list_tasks

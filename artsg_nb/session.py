@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import shlex
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -77,7 +79,8 @@ class RunConfig:
     verify_adapter: bool = True
     """After each reload, check the served adapter's logprobs against the trainer's."""
     server_args: tuple[str, ...] = ()
-    """Extra command-line flags for the server."""
+    """Extra command-line flags for the server; empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS
+    (e.g. the attention/sampling backends an offline GPU bundle needs)."""
     api_key: str | None = None
     """Sent to the server (SGLang --api-key) and by the client."""
     verbose: bool = True
@@ -179,9 +182,10 @@ class GRPORun:
 
         cfg = self.cfg
         mem = getattr(self.plan, "server_mem_fraction", None)
+        extra = tuple(cfg.server_args) or tuple(shlex.split(os.environ.get(f"ARTSG_{engine.upper()}_ARGS", "")))
         scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
-                            api_key=cfg.api_key, extra_args=tuple(cfg.server_args))
+                            api_key=cfg.api_key, extra_args=extra)
         return start_server(scfg)
 
     def _make_trainer(self, model_path: str):
@@ -232,7 +236,9 @@ class GRPORun:
         cfg = self.cfg
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
                                 temperature=cfg.temperature)
-        before = cache_counters(await self.client.metrics_text(), self.tracker.engine)
+        text = await self.client.metrics_text()
+        self.tracker.add_sample(text)  # the window this step's rollouts are measured against
+        before = cache_counters(text, self.tracker.engine)
         groups = await collect_groups(self.client, self.task, self.trainer.tokenizer, self._seeds(step),
                                       cfg.group_size, params, adapter=self.adapter, concurrency=cfg.concurrency,
                                       schedule=cfg.schedule, max_seq_tokens=cfg.max_seq_tokens,

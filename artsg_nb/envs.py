@@ -117,18 +117,32 @@ def check_engine(python: str | os.PathLike, engine: str, extra_env: dict[str, st
     """Import the engine in `python`: (True, version) or (False, why not)."""
     package, entry = _PROBES[engine]
     env = child_env(engine, extra_env or {})
-    try:
-        done = subprocess.run([str(python), "-c", _CHECK, package, entry], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return False, f"`import {package}` took more than {timeout_s:.0f} s"
+    try:  # own process group, so a timeout also ends whatever the interpreter started
+        proc = subprocess.Popen([str(python), "-c", _CHECK, package, entry], env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     except OSError as e:
         return False, f"cannot run it: {e}"
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return False, f"`import {package}` took more than {timeout_s:.0f} s"
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["exit code %d" % done.returncode])[-1]
         return False, f"`import {package}` failed: {last}"
     lines = done.stdout.strip().splitlines()
     return True, lines[-1] if lines else "unknown"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.communicate()
 
 
 def child_env(engine: str, extra_env: dict[str, str]) -> dict[str, str]:

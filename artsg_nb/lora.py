@@ -80,8 +80,10 @@ def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> Adapter
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(adapters_dir)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written version behind
+        if not isinstance(e, OSError):
+            raise
         raise AdapterSaveError(
             f"could not save adapter {adapter_name(step)} under {adapters_dir}: {e}. "
             "Free disk space or point run_dir at a writable disk; the previous adapter is still served."

@@ -155,6 +155,9 @@ class GRPORun:
         if not self._published:
             await self._with_restarts(self._publish, self._initial)
             self._published = True
+            # The dashboard's windows run from one step's rollouts to the next (the adapter probe
+            # between them adds a few hundred prompt tokens); this is the first window's start.
+            self.tracker.add_sample(await self.client.metrics_text())
         step = self.trainer.step + 1
         t0 = time.perf_counter()
         groups, hit_rate = await self._with_restarts(self._rollouts, step)
@@ -236,9 +239,7 @@ class GRPORun:
         cfg = self.cfg
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
                                 temperature=cfg.temperature)
-        text = await self.client.metrics_text()
-        self.tracker.add_sample(text)  # the window this step's rollouts are measured against
-        before = cache_counters(text, self.tracker.engine)
+        before = cache_counters(await self.client.metrics_text(), self.tracker.engine)
         groups = await collect_groups(self.client, self.task, self.trainer.tokenizer, self._seeds(step),
                                       cfg.group_size, params, adapter=self.adapter, concurrency=cfg.concurrency,
                                       schedule=cfg.schedule, max_seq_tokens=cfg.max_seq_tokens,

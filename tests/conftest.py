@@ -1,4 +1,46 @@
 """Shared pytest fixtures and hooks."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The offline tiny model (built once into the cache; ARTSG_TINY_MODEL points at another)."""
+    if os.environ.get("ARTSG_TINY_MODEL"):
+        return Path(os.environ["ARTSG_TINY_MODEL"])
+    from artsg_nb.tiny_model import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _has_nvidia_gpu() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu are skipped, with the reason, where no NVIDIA GPU answers nvidia-smi."""
+    if _has_nvidia_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (nvidia-smi -L finds none); run on the GPU host")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 # ---- faults suite (issue 7): the summary line and the leftover-process check ------------------

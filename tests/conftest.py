@@ -1,4 +1,14 @@
-"""Shared pytest fixtures and hooks."""
+"""Shared pytest fixtures and hooks.
+
+What it does: the tiny model the tests run against (built once by artsg_nb.tiny_model into
+$ARTSG_CACHE or ~/.cache/artsg_nb, ~25 s the first time; ARTSG_TINY_MODEL points at another),
+skipping of tests marked `gpu` where no NVIDIA GPU is visible (markers are declared in
+pyproject.toml), and the faults suite's hooks (below, owned by that suite).
+
+What it does not do: start servers or touch the network. A fixture used by one test file belongs
+in that file.
+"""
+import functools
 import os
 import shutil
 import subprocess
@@ -9,7 +19,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    """The offline tiny model (built once into the cache; ARTSG_TINY_MODEL points at another)."""
+    """The pretrained tiny model (tiny_model.default_model_dir(); ARTSG_TINY_MODEL points at another)."""
     if os.environ.get("ARTSG_TINY_MODEL"):
         return Path(os.environ["ARTSG_TINY_MODEL"])
     from artsg_nb.tiny_model import default_model_dir
@@ -24,23 +34,27 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def _has_nvidia_gpu() -> bool:
-    if not shutil.which("nvidia-smi"):
-        return False
+@functools.cache
+def nvidia_gpu_missing() -> str | None:
+    """Why no NVIDIA GPU is usable here, or None when `nvidia-smi -L` lists one."""
+    if shutil.which("nvidia-smi") is None:
+        return "needs an NVIDIA GPU: nvidia-smi is not on PATH; run on the GPU host"
     try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"needs an NVIDIA GPU: `nvidia-smi -L` failed ({e}); run on the GPU host"
+    if out.returncode != 0 or "GPU" not in out.stdout:
+        detail = (out.stderr or out.stdout).strip()[:200]
+        return f"needs an NVIDIA GPU: `nvidia-smi -L` lists none (rc={out.returncode}: {detail}); run on the GPU host"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu are skipped, with the reason, where no NVIDIA GPU answers nvidia-smi."""
-    if _has_nvidia_gpu():
-        return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (nvidia-smi -L finds none); run on the GPU host")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    gpu_tests = [item for item in items if "gpu" in item.keywords]
+    reason = nvidia_gpu_missing() if gpu_tests else None
+    for item in gpu_tests if reason else []:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 # ---- faults suite (issue 7): the summary line and the leftover-process check ------------------

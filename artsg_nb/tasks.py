@@ -1,0 +1,328 @@
+"""Example environments with verifiable rewards: a single-turn task and multi-turn agent tasks.
+
+What it does: defines the `Env` protocol a rollout drives (`reset()` gives the opening messages,
+`step(reply)` gives the environment's answer and, at the end, the reward), and two tasks small
+enough for the offline tiny model to learn on CPU within ~10 GRPO steps, and a third for demos:
+
+- `addition`: "What is 3 + 4?" -> "7" (operands 0..9). Single turn; an exact checker with partial
+  credit for a near miss, so the G samples of a group rarely all score the same (identical
+  rewards give zero advantage).
+- `price_lookup`: a tool-using agent. A shared ~200-token system prompt (what prefix caching
+  reuses across a group and a step), "How much is a pear?", the model calls the tool
+  ("price pear"), the tool answers ("pear costs 6."), the model answers ("6"). At most 3
+  replies; the reward is paid at the end.
+- `guess_number`: find 1..9 from "Higher."/"Lower." answers in up to 4 guesses, behind a long
+  system prompt. Kept for multi-turn and prefix-cache demos (4 turns); GRPO does not improve it
+  on the tiny model, which never learned "guess the middle of the range" in a CPU budget (it
+  learns copying and single-digit sums in a few hundred steps), so `tiny_model` skips it.
+
+`pretraining_corpus(n, seed, mix, noise)` plays the tasks with scripted teachers whose mistakes
+(probability `noise`) are near misses, for `tiny_model`'s pretraining.
+
+What it does not do: tokenise, sample, or talk to a server (rollout.py does). Rewards are pure
+functions of the reply text and never raise, whatever the text.
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+Messages = list[dict]
+
+
+class UnknownTaskError(ValueError):
+    """`get_task` was given a name that is not registered."""
+
+
+@dataclass
+class StepResult:
+    """What the environment answers to one model reply."""
+
+    messages: Messages
+    """Next user/tool messages to append (empty when done)."""
+    reward: float | None
+    """Final reward when done, else None."""
+    done: bool
+    """True when the episode is over."""
+
+
+class Env(Protocol):
+    """One episode of a task."""
+
+    def reset(self) -> Messages: ...
+
+    def step(self, reply: str) -> StepResult: ...
+
+
+@dataclass(frozen=True)
+class Task:
+    """A named family of episodes; `make_env(seed)` is one episode (one GRPO group per seed)."""
+
+    name: str
+    """Registry name, e.g. "addition"."""
+    description: str
+    """One line for listings."""
+    max_turns: int
+    """Most model replies in one episode."""
+    max_new_tokens: int
+    """Generation limit per model reply."""
+    factory: Callable[[int], Env] = field(repr=False, compare=False)
+    """Builds the episode for a seed; the same seed gives the same opening prompt."""
+
+    def make_env(self, seed: int) -> Env:
+        return self.factory(seed)
+
+
+_INT = re.compile(r"\s*(-?[0-9]{1,9})\s*")  # one ASCII integer (\d would take "٣"); 9 digits bound int()
+
+
+def parse_int_reply(reply: str) -> int | None:
+    """The integer a reply consists of (surrounding whitespace allowed), else None."""
+    m = _INT.fullmatch(reply) if isinstance(reply, str) else None
+    return int(m.group(1)) if m else None
+
+
+# ---- addition (single turn) --------------------------------------------------------------------
+ADDITION_MAX_OPERAND = 9
+"""Operands are drawn from 0..ADDITION_MAX_OPERAND."""
+
+
+def addition_reward(reply: str, answer: int) -> float:
+    """1.0 for exactly the right number; 0.5·max(0, 1 - |error|/5) for another bare number
+    (so an off-by-one earns 0.4); 0.0 for anything that is not a bare number."""
+    guess = parse_int_reply(reply)
+    if guess is None:
+        return 0.0
+    if guess == answer:
+        return 1.0
+    return 0.5 * max(0.0, 1.0 - abs(guess - answer) / 5)
+
+
+class AdditionEnv:
+    """Asks "What is a + b?"; the answer is the sum as a bare number. One turn."""
+
+    def __init__(self, seed: int):
+        rng = random.Random(seed)
+        self.a = rng.randint(0, ADDITION_MAX_OPERAND)
+        self.b = rng.randint(0, ADDITION_MAX_OPERAND)
+        self.answer = self.a + self.b
+
+    def reset(self) -> Messages:
+        return [{"role": "user", "content": f"What is {self.a} + {self.b}?"}]
+
+    def step(self, reply: str) -> StepResult:
+        return StepResult(messages=[], reward=addition_reward(reply, self.answer), done=True)
+
+
+def _addition_teacher(env: AdditionEnv, rng: random.Random, noise: float) -> str:
+    """The sum, or with probability `noise` a near miss (off by one or two)."""
+    if rng.random() >= noise:
+        return str(env.answer)
+    return str(max(0, env.answer + rng.choice([-2, -1, 1, 2])))
+
+
+# ---- price_lookup (multi-turn agent with a tool) -----------------------------------------------
+SHOP_ITEMS = ("apple", "pear", "plum", "fig", "lime", "kiwi", "mango", "lemon")
+SHOP_TURNS = 3
+_TOOL_CALL = re.compile(r"\s*price\s+(\w+)\s*", re.IGNORECASE)
+
+# No fruit names or digits in the prompt on purpose: for a tiny model they are distractors next to
+# the ones in the conversation that it must copy.
+SHOP_SYSTEM_PROMPT = f"""\
+You are a shopping agent for a small fruit shop, and you have one tool. A customer asks for the \
+price of one kind of fruit. Prices change every day and are whole numbers from one to nine, so \
+you never know them in advance: you must look them up.
+
+How to act:
+- To call the price tool, reply with the word price followed by the name of the fruit, and \
+nothing else. The tool then tells you what that fruit costs today.
+- When you know the answer, reply with the number only, written in digits.
+- Say nothing else: no greetings, no explanations, no units, no punctuation.
+- You have at most {SHOP_TURNS} replies. Each tool call and the answer use one reply each.
+
+Scoring: the right price scores one point, minus a tenth of a point for each tool call after the \
+first. A wrong or missing answer scores a fifth of a point if you looked up the right fruit, and \
+nothing otherwise. Guessing without looking up the price is almost always wrong."""
+
+
+def shop_reward(answer: int | None, price: int, lookups: list[str], item: str) -> float:
+    """1.0 - 0.1·(extra tool calls) for the right price; else 0.2 if `item` was looked up, else 0."""
+    if answer == price:
+        return round(1.0 - 0.1 * max(0, len(lookups) - 1), 6)
+    return 0.2 if item in lookups else 0.0
+
+
+class PriceLookupEnv:
+    """The user asks "How much is a pear?"; the model calls `price pear` (the tool answers "pear costs 6."),
+    then answers "6". At most SHOP_TURNS replies; the reward is paid when it answers or runs out."""
+
+    def __init__(self, seed: int):
+        rng = random.Random(seed)
+        self.item = rng.choice(SHOP_ITEMS)
+        self.prices = {name: rng.randint(1, 9) for name in SHOP_ITEMS}
+        self.lookups: list[str] = []
+        self.replies = 0
+
+    def reset(self) -> Messages:
+        self.lookups, self.replies = [], 0
+        return [{"role": "system", "content": SHOP_SYSTEM_PROMPT},
+                {"role": "user", "content": f"How much is a {self.item}?"}]
+
+    def step(self, reply: str) -> StepResult:
+        self.replies += 1
+        answer = parse_int_reply(reply)
+        if answer is not None or self.replies >= SHOP_TURNS:
+            reward = shop_reward(answer, self.prices[self.item], self.lookups, self.item)
+            return StepResult(messages=[], reward=reward, done=True)
+        return StepResult(messages=[self._respond(reply)], reward=None, done=False)
+
+    def _respond(self, reply: str) -> dict:
+        call = _TOOL_CALL.fullmatch(reply) if isinstance(reply, str) else None
+        if call is None:
+            return {"role": "user", "content": "Reply with a tool call like: price fig, or with the number."}
+        name = call.group(1).lower()
+        self.lookups.append(name)
+        if name not in self.prices:
+            return {"role": "tool", "content": f"The shop has no {name}."}
+        return {"role": "tool", "content": f"{name} costs {self.prices[name]}."}
+
+
+def _shop_teacher(env: PriceLookupEnv, rng: random.Random, noise: float) -> str:
+    """Looks up the asked item, then answers its price; with probability `noise` it skips the
+    lookup and guesses. (Near-miss answers after a lookup, like addition's, blurred the tiny
+    model's copying for good; a skipped lookup is one clean decision GRPO can fix.)"""
+    if env.item in env.lookups:
+        return str(env.prices[env.item])
+    return f"price {env.item}" if rng.random() >= noise else str(rng.randint(1, 9))
+
+
+# ---- guess_number (multi-turn, for caching demos) -----------------------------------------------
+GUESS_HI = 9
+GUESS_TURNS = 4  # binary search finds any of 1..9 within 4 guesses (2**4 - 1 >= 9)
+
+GUESS_SYSTEM_PROMPT = f"""\
+You are an agent playing a number guessing game. The environment has picked a secret whole number \
+from 1 to {GUESS_HI}; find it with as few guesses as possible.
+
+Rules:
+- Each turn, reply with one guess: a single number and nothing else, for example 5.
+- The environment answers "Higher." if the secret number is larger than your guess and "Lower." \
+if it is smaller, and tells you the range of numbers that are still possible, for example \
+"Higher. It is between 6 and 9." The game ends as soon as you guess the number.
+- You have at most {GUESS_TURNS} guesses. A reply that is not a number still uses up a guess.
+
+Scoring: finding the number with your first guess scores 1.0 and each extra guess costs 0.1. If \
+you run out of guesses you score at most 0.3, more the closer your last guess was.
+
+Strategy: always guess the middle of the range you were given, rounding down: between 1 and 9 \
+guess 5, between 6 and 9 guess 7. This binary search always finds the secret within \
+{GUESS_TURNS} guesses."""
+
+
+def guess_reward(guesses: list[int | None], secret: int, n: int = GUESS_HI) -> float:
+    """1.0 - 0.1·(k-1) if guess k found the secret, else 0.3·max(0, 1 - |last - secret|/n)
+    (an unparsable last guess scores 0)."""
+    for k, g in enumerate(guesses, start=1):
+        if g == secret:
+            return round(1.0 - 0.1 * (k - 1), 6)
+    last = guesses[-1] if guesses else None
+    if last is None:
+        return 0.0
+    return 0.3 * max(0.0, 1.0 - abs(last - secret) / n)
+
+
+class GuessNumberEnv:
+    """Find a secret number in 1..GUESS_HI in GUESS_TURNS guesses. Each answer says "Higher." or
+    "Lower." and the range `lo..hi` still consistent with all answers so far."""
+
+    def __init__(self, seed: int):
+        self.secret = random.Random(seed).randint(1, GUESS_HI)
+        self.guesses: list[int | None] = []
+        self.lo, self.hi = 1, GUESS_HI
+
+    def reset(self) -> Messages:
+        self.guesses, self.lo, self.hi = [], 1, GUESS_HI
+        return [{"role": "system", "content": GUESS_SYSTEM_PROMPT},
+                {"role": "user", "content": f"I picked a number between 1 and {GUESS_HI}. Your guess?"}]
+
+    def step(self, reply: str) -> StepResult:
+        guess = parse_int_reply(reply)
+        self.guesses.append(guess)
+        if guess == self.secret or len(self.guesses) >= GUESS_TURNS:
+            return StepResult(messages=[], reward=guess_reward(self.guesses, self.secret), done=True)
+        return StepResult(messages=[{"role": "user", "content": self._feedback(guess)}], reward=None, done=False)
+
+    def _feedback(self, guess: int | None) -> str:
+        if guess is None:
+            verdict = "Not a number."
+        elif guess < self.secret:
+            self.lo, verdict = max(self.lo, guess + 1), "Higher."
+        else:
+            self.hi, verdict = min(self.hi, guess - 1), "Lower."
+        return f"{verdict} It is between {self.lo} and {self.hi}."
+
+
+def _guess_teacher(env: GuessNumberEnv, rng: random.Random, noise: float) -> str:
+    """Binary search; with probability `noise` any number from 1..GUESS_HI instead."""
+    if rng.random() >= noise:
+        return str((env.lo + env.hi) // 2)
+    return str(rng.randint(1, GUESS_HI))
+
+
+# ---- registry ----------------------------------------------------------------------------------
+_TASKS: dict[str, Task] = {
+    t.name: t
+    for t in [
+        Task("addition", f"single turn: add two numbers from 0..{ADDITION_MAX_OPERAND}, reply with the sum",
+             max_turns=1, max_new_tokens=8, factory=AdditionEnv),
+        Task("price_lookup", "multi-turn agent: look up an item's price with a tool, then answer it "
+             "(long shared system prompt)", max_turns=SHOP_TURNS, max_new_tokens=8, factory=PriceLookupEnv),
+        Task("guess_number", f"multi-turn game: find a number in 1..{GUESS_HI} from higher/lower answers in "
+             f"{GUESS_TURNS} guesses (long shared system prompt; the tiny model is not pretrained on it)",
+             max_turns=GUESS_TURNS, max_new_tokens=8, factory=GuessNumberEnv),
+    ]
+}
+_TEACHERS: dict[str, Callable] = {"addition": _addition_teacher, "price_lookup": _shop_teacher,
+                                  "guess_number": _guess_teacher}
+
+
+def list_tasks() -> list[Task]:
+    return list(_TASKS.values())
+
+
+def get_task(name: str) -> Task:
+    try:
+        return _TASKS[name]
+    except KeyError:
+        raise UnknownTaskError(f"unknown task {name!r}; known tasks: {', '.join(_TASKS)}") from None
+
+
+def play(env: Env, policy: Callable[[Messages], str], max_turns: int) -> tuple[Messages, float]:
+    """Run one episode; `policy(messages)` returns the reply. Returns the transcript and reward."""
+    messages = env.reset()
+    for _ in range(max_turns):
+        reply = policy(messages)
+        messages = messages + [{"role": "assistant", "content": reply}]
+        result = env.step(reply)
+        messages += result.messages
+        if result.done:
+            return messages, float(result.reward)
+    raise AssertionError(f"episode not done after max_turns={max_turns}")
+
+
+def pretraining_corpus(n: int, seed: int = 0, mix: list[str] | None = None, noise: float = 0.5) -> list[Messages]:
+    """`n` transcripts (system/user/assistant/tool messages) played by teachers that make a
+    near-miss mistake with probability `noise` per reply, taking the tasks named in `mix` in turn
+    (default: every task once; repeat a name to weight it)."""
+    rng = random.Random(seed)
+    tasks = [get_task(name) for name in mix] if mix else list_tasks()
+    corpus = []
+    for i in range(n):
+        task = tasks[i % len(tasks)]
+        env = task.make_env(rng.randrange(1 << 30))
+        teacher = _TEACHERS[task.name]
+        messages, _ = play(env, lambda _msgs: teacher(env, rng, noise), task.max_turns)
+        corpus.append(messages)
+    return corpus

@@ -1,0 +1,32 @@
+"""Three GRPO steps through the CPU engine subprocess, the way the quickstart runs them: each step
+loads a new adapter, unloads the old one, and the next rollouts are served by the new one."""
+import asyncio
+
+from artsg_nb.session import GRPORun, RunConfig
+
+
+def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
+    cfg = RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
+                    group_size=4, groups_per_step=2, verbose=False)
+    seen = []
+    with GRPORun(cfg) as run:
+        real_collect = run._rollouts
+
+        async def recording(step):
+            groups, hit = await real_collect(step)
+            seen.append({t.adapter for g in groups for t in g.trajectories})
+            return groups, hit
+
+        run._rollouts = recording
+        for step in (1, 2, 3):
+            row = asyncio.run(run.step())
+            loaded = asyncio.run(run.client.list_adapters())
+            assert set(loaded) == {f"policy-step-{step}"}, f"after step {step} the server holds {sorted(loaded)}"
+            assert row["adapter"] == f"policy-step-{step}" and row["probe_mad"] < 0.02
+            assert (tmp_path / "run" / "adapters" / f"policy-step-{step}" / "adapter_model.safetensors").exists()
+        df = run.history.df
+    # Step N's rollouts come from the adapter published after step N-1.
+    assert seen == [{"policy-step-0"}, {"policy-step-1"}, {"policy-step-2"}]
+    assert list(df["step"]) == [1, 2, 3]
+    assert df["reload_s"].notna().all() and df["hit_rate"].between(0, 1).all()
+    assert (df["is_ratio_mean"] - 1).abs().max() < 1e-3, "on-policy IS ratio should be 1 on the CPU engine"

@@ -24,14 +24,7 @@ from artsg_nb.client import (AdapterExistsError, AdapterRankError, EngineError, 
 from artsg_nb.client_vllm import VLLMClient
 
 
-def _fixtures_dir() -> Path:
-    shared = Path(os.environ.get("ARTSG_SHARED") or Path(__file__).resolve().parents[1] / ".." / "shared")
-    path = shared / "fixtures" / "sglang-0.5.14"
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"SGLang fixtures not found at {path}: set ARTSG_SHARED to the shared/ directory "
-            "(CI checks it out beside the repo as ../shared)")
-    return path
+from sglang_fixtures import fixtures_dir as _fixtures_dir  # noqa: E402
 
 
 FIXTURES = _fixtures_dir()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from artsg_nb.client import Generation
 from artsg_nb.rollout import (SCHEDULES, collect_groups, env_suffix_ids, render_ids, rollout_stats,
                               turn_end_text)
 
@@ -41,16 +42,6 @@ def chatml_tokenizer():
 
 # ------------------------------------------------------------------------------ fakes
 
-@dataclass
-class FakeGen:
-    output_ids: list[int]
-    logprobs: list[float]
-    prompt_tokens: int
-    cached_tokens: int
-    finish_reason: str
-    text: str
-    e2e_s: float = 0.0
-    ttft_s: float | None = None
 
 
 @dataclass
@@ -99,8 +90,8 @@ class FakeClient:
         if self.eos and finish == "stop":
             ids = ids + [self.eos_id]
         lps = [-0.5 - 0.01 * j for j in range(len(ids))]
-        return FakeGen(ids, lps, len(input_ids), len(input_ids) // 2, finish, self.tok.decode(
-            ids, skip_special_tokens=True))
+        return Generation(ids, lps, len(input_ids), len(input_ids) // 2, finish, self.tok.decode(
+            ids, skip_special_tokens=True), e2e_s=0.0)
 
 
 @dataclass

@@ -23,19 +23,14 @@ $(VENV)/.installed: environment-train.yml pyproject.toml tools/yml_requirements.
 
 venv: $(VENV)/.installed
 
-# The SGLang server environment for a GPU box without conda (conda users: environment-server.yml).
+# Server environments for a GPU box without conda (conda users: environment-server.yml /
+# environment-vllm.yml): `make server-env` builds .venv-server/, `make vllm-env` .venv-vllm/.
 server-env: .venv-server/.installed
-.venv-server/.installed: environment-server.yml tools/yml_requirements.py
-	@test -x .venv-server/bin/python || $(PYTHON) -m venv .venv-server
-	$(PYTHON) tools/yml_requirements.py environment-server.yml > .venv-server/requirements.txt
-	.venv-server/bin/pip install -q -r .venv-server/requirements.txt
-	touch $@
-
 vllm-env: .venv-vllm/.installed
-.venv-vllm/.installed: environment-vllm.yml tools/yml_requirements.py
-	@test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
-	$(PYTHON) tools/yml_requirements.py environment-vllm.yml > .venv-vllm/requirements.txt
-	.venv-vllm/bin/pip install -q -r .venv-vllm/requirements.txt
+.venv-%/.installed: environment-%.yml tools/yml_requirements.py
+	@test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
+	$(PYTHON) tools/yml_requirements.py environment-$*.yml > .venv-$*/requirements.txt
+	.venv-$*/bin/pip install -q -r .venv-$*/requirements.txt
 	touch $@
 
 # Headless Chromium for the real-browser test (Debian's package; Playwright drives it).

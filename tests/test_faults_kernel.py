@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -25,7 +23,7 @@ from artsg_nb import procs
 from artsg_nb.server import start_server
 from artsg_nb.session import GRPORun, RunConfig, ServerLostError
 from faults_helpers import kill_server, private_server_records  # noqa: F401  (autouse fixture)
-from test_server import fake_cfg, fake_engine  # noqa: F401  (a fixture)
+from test_server import fake_cfg, fake_engine, start_kernel  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.faults
 
@@ -42,14 +40,7 @@ def test_kernel_restart_reaps_the_dead_kernels_server(tmp_path, fake_engine, pri
     from artsg_nb.tiny_model import default_model_dir
 
     run_dir = tmp_path / "run"
-    kernel = subprocess.Popen([sys.executable, "-c", OLD_KERNEL, str(default_model_dir()), str(run_dir)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = kernel.stdout.readline()
-    if not line:
-        kernel.wait()
-        pytest.fail(f"the old kernel could not start the CPU engine:\n{kernel.stderr.read()[-4000:]}")
-    kernel.stderr.close()
-    port, pid = map(int, line.split())
+    kernel, port, pid = start_kernel(OLD_KERNEL, str(default_model_dir()), str(run_dir))
     started = procs.create_time(pid)
     kernel.send_signal(signal.SIGKILL)
     kernel.wait()

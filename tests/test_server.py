@@ -68,6 +68,20 @@ time.sleep(600)
 '''
 
 
+def start_kernel(code: str, *args: str):
+    """A stand-in notebook kernel: `python -c code *args` starts a server and prints "port pid".
+    Returns (the kernel process, port, server pid); the caller kills the kernel to orphan it."""
+    kernel = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    line = kernel.stdout.readline()
+    if not line:
+        kernel.wait()
+        pytest.fail(f"the kernel could not start its server:\n{kernel.stderr.read()[-4000:]}")
+    kernel.stderr.close()
+    port, pid = map(int, line.split())
+    return kernel, port, pid
+
+
 @pytest.fixture(scope="module", autouse=True)
 def state_dir(tmp_path_factory):
     """Records go to a private directory; at the end nothing may be left running."""
@@ -382,14 +396,7 @@ def test_real_sglang_orphan_reaped_then_start_stop(tmp_path):
     from artsg_nb.tiny_model import default_model_dir
 
     model = str(default_model_dir("0.5b", pretrain_steps=0))
-    kernel = subprocess.Popen([sys.executable, "-c", KERNEL_STARTS_SGLANG, model, str(tmp_path / "dead"),
-                               *SGLANG_TEST_ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = kernel.stdout.readline()
-    if not line:
-        kernel.wait()
-        pytest.fail(f"the kernel could not start SGLang:\n{kernel.stderr.read()[-4000:]}")
-    kernel.stderr.close()
-    port, pid = map(int, line.split())
+    kernel, port, pid = start_kernel(KERNEL_STARTS_SGLANG, model, str(tmp_path / "dead"), *SGLANG_TEST_ARGS)
     workers = procs.group_members(pid)
     held = _gpu0_used_gib()
     assert len(workers) >= 2 and held > 20, (workers, held)  # 0.3 × 141 GiB reserved

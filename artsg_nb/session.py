@@ -48,14 +48,16 @@ class RunConfig:
     """Adapters, checkpoints, history and server logs go here."""
     group_size: int = 8
     """G: completions per prompt (the GRPO group)."""
-    groups_per_step: int = 4
+    groups_per_step: int = 8
     """Prompts per step."""
     max_new_tokens: int | None = None
     """Per turn; None uses the task's own limit."""
     temperature: float = 1.0
     """Sampling temperature; the trainer scores with the same one."""
-    learning_rate: float = 2e-3
-    """AdamW learning rate of the LoRA weights."""
+    learning_rate: float = 3e-3
+    """AdamW learning rate of the LoRA weights. The default suits the offline tiny model (both
+    demo tasks climb from ~0.4-0.5 to ~0.85 in 10 steps of 8x8 on CPU); models of real size
+    want ~1e-5 to 1e-4."""
     lora_rank: int = 16
     """LoRA rank (the server is started with --max-lora-rank equal to it)."""
     lora_alpha: int = 32

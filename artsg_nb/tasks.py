@@ -4,20 +4,23 @@ What it does: defines the `Env` protocol a rollout drives (`reset()` gives the o
 `step(reply)` gives the environment's answer and, at the end, the reward), and two tasks small
 enough for the offline tiny model to learn on CPU within ~10 GRPO steps, and a third for demos:
 
-- `addition`: "What is 3 + 4?" -> "7" (operands 0..9). Single turn; an exact checker with partial
-  credit for a near miss, so the G samples of a group rarely all score the same (identical
-  rewards give zero advantage).
-- `price_lookup`: a tool-using agent. A shared ~200-token system prompt (what prefix caching
-  reuses across a group and a step), "How much is a pear?", the model calls the tool
-  ("price pear"), the tool answers ("pear costs 6."), the model answers ("6"). At most 3
-  replies; the reward is paid at the end.
+- `addition`: "What is 3 + 4?" -> "7" (operands 0..9). Single turn; an exact checker that wants
+  the bare number (a sentence scores 0), with partial credit for a near miss, so the G samples
+  of a group rarely all score the same (identical rewards give zero advantage).
+- `price_lookup`: a tool-using agent. A shared system prompt (what prefix caching reuses
+  across a group and a step; kept short, ~50 tokens, because behind a 200-token prompt the tiny
+  model copied the asked item into its tool call only half the time, which left GRPO no skill to
+  sharpen), "How much is a pear?", the model calls the tool ("price pear"), the tool answers
+  ("pear costs 6."), the model answers ("6"). At most 3 replies; the reward is paid at the end.
 - `guess_number`: find 1..9 from "Higher."/"Lower." answers in up to 4 guesses, behind a long
   system prompt. Kept for multi-turn and prefix-cache demos (4 turns); GRPO does not improve it
   on the tiny model, which never learned "guess the middle of the range" in a CPU budget (it
   learns copying and single-digit sums in a few hundred steps), so `tiny_model` skips it.
 
-`pretraining_corpus(n, seed, mix, noise)` plays the tasks with scripted teachers whose mistakes
-(probability `noise`) are near misses, for `tiny_model`'s pretraining.
+`pretraining_corpus(n, seed, mix, noise)` plays the tasks with scripted teachers that make one
+systematic mistake with probability `noise` (addition: the sum in a sentence; price_lookup: a
+guess without the lookup; guess_number: a random guess), for `tiny_model`'s pretraining. Each
+mistake is a decision at a reply's first token that GRPO can unlearn in a few steps.
 
 What it does not do: tokenise, sample, or talk to a server (rollout.py does). Rewards are pure
 functions of the reply text and never raise, whatever the text.
@@ -117,10 +120,13 @@ class AdditionEnv:
 
 
 def _addition_teacher(env: AdditionEnv, rng: random.Random, noise: float) -> str:
-    """The sum, or with probability `noise` a near miss (off by one or two)."""
+    """The sum as a bare number, or with probability `noise` the sum in a sentence ("The sum is
+    7."), which the checker scores 0. The mistake is one decision at the reply's first token,
+    shared by every question, so GRPO can fix it within a few steps; near misses (per-question
+    decisions) barely moved the tiny model in 20 steps of 8x8."""
     if rng.random() >= noise:
         return str(env.answer)
-    return str(max(0, env.answer + rng.choice([-2, -1, 1, 2])))
+    return f"The sum is {env.answer}."
 
 
 # ---- price_lookup (multi-turn agent with a tool) -----------------------------------------------
@@ -131,20 +137,9 @@ _TOOL_CALL = re.compile(r"\s*price\s+(\w+)\s*", re.IGNORECASE)
 # No fruit names or digits in the prompt on purpose: for a tiny model they are distractors next to
 # the ones in the conversation that it must copy.
 SHOP_SYSTEM_PROMPT = f"""\
-You are a shopping agent for a small fruit shop, and you have one tool. A customer asks for the \
-price of one kind of fruit. Prices change every day and are whole numbers from one to nine, so \
-you never know them in advance: you must look them up.
-
-How to act:
-- To call the price tool, reply with the word price followed by the name of the fruit, and \
-nothing else. The tool then tells you what that fruit costs today.
-- When you know the answer, reply with the number only, written in digits.
-- Say nothing else: no greetings, no explanations, no units, no punctuation.
-- You have at most {SHOP_TURNS} replies. Each tool call and the answer use one reply each.
-
-Scoring: the right price scores one point, minus a tenth of a point for each tool call after the \
-first. A wrong or missing answer scores a fifth of a point if you looked up the right fruit, and \
-nothing otherwise. Guessing without looking up the price is almost always wrong."""
+You are a shopping agent for a fruit shop. Prices change every day. To look up a price, reply \
+with the word price and the fruit's name, nothing else. Then reply with the price in digits only. \
+You have three replies at most."""
 
 
 def shop_reward(answer: int | None, price: int, lookups: list[str], item: str) -> float:
@@ -313,8 +308,8 @@ def play(env: Env, policy: Callable[[Messages], str], max_turns: int) -> tuple[M
 
 
 def pretraining_corpus(n: int, seed: int = 0, mix: list[str] | None = None, noise: float = 0.5) -> list[Messages]:
-    """`n` transcripts (system/user/assistant/tool messages) played by teachers that make a
-    near-miss mistake with probability `noise` per reply, taking the tasks named in `mix` in turn
+    """`n` transcripts (system/user/assistant/tool messages) played by teachers that make their
+    mistake with probability `noise` per reply, taking the tasks named in `mix` in turn
     (default: every task once; repeat a name to weight it)."""
     rng = random.Random(seed)
     tasks = [get_task(name) for name in mix] if mix else list_tasks()

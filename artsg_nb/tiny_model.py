@@ -19,17 +19,20 @@ everywhere: `<|endoftext|>` = 0, `<|im_start|>` = 1, `<|im_end|>` = 2.
 Pretraining (`pretrain_steps > 0`): supervised, on CPU (AdamW, one thread, loss on the model's
 own tokens only), on transcripts of the package's tasks played by scripted teachers
 (`tasks.pretraining_corpus`): first clean and without system prompts (skills), then with the
-real prompts and a teacher that makes a near-miss mistake half the time (see PRETRAIN_PHASES).
-The model learns the answer format and the skills, but samples the right answer only about half
-the time, so GRPO starts from moderate rewards and can raise them.
+real prompts and a teacher that makes one systematic mistake half the time (see PRETRAIN_PHASES):
+it answers the sum in a sentence, which the checker scores 0, or guesses a price without looking
+it up. The model learns the skills and the mistake, so GRPO starts from moderate rewards and can
+raise them by unlearning the mistake, a decision at the reply's first token.
 
-Default: DEFAULT_PRETRAIN_STEPS["tiny"] = 800 steps of 16 transcripts, ~22 s on one core of the
-2-core dev box (~25 s for the whole build). Measured there at temperature 1: reward ~0.55-0.6 on
-`addition` and ~0.3 on `price_lookup` for seeds 0, 1 and 2, greedy answers right >80% of the time;
-10 on-policy GRPO steps of 8×8 samples with a rank-16 LoRA (lr 5e-3) took them to ~0.8 and ~0.5.
-Fewer steps are not safe: the skills appear suddenly somewhere after ~300-600 clean steps, and a
-random model scores ~0 on both tasks (all-zero groups give GRPO nothing to learn from). `0.5b`
-defaults to 0: random weights, for measuring serving speed on a GPU.
+Default: DEFAULT_PRETRAIN_STEPS["tiny"] = 800 steps of 16 transcripts, ~23 s on one core of the
+2-core dev box (~29 s for the whole build). Measured there at temperature 1, seed 0: `addition`
+reward ~0.3-0.4 and `price_lookup` ~0.5 (half the replies skip the lookup; after a lookup the
+price is right ~90% of the time). `python -m artsg_nb.train` with 8x8 samples per step, lr 3e-3,
+rank-16 LoRA took them to ~0.85-0.9 within 10 steps. Near-miss mistakes (an earlier recipe)
+barely moved in 20 steps: each question needs its own correction, and the tiny model learns
+that slowly. Fewer pretraining steps are not safe: the skills appear suddenly somewhere after
+~300-600 clean steps, and a random model scores ~0 on both tasks (all-zero groups give GRPO
+nothing to learn from). `0.5b` defaults to 0: random weights, for measuring serving speed on a GPU.
 
 A build goes to a temporary sibling directory, `.complete` is written last and the directory is
 renamed into place, so a crashed build is never mistaken for a finished one. `.complete` records
@@ -208,8 +211,9 @@ class Phase:
 
 # Skills first, on clean transcripts without system prompts (~30 tokens): there a 2-layer model
 # learns to add and to copy an item and a price within a few hundred steps; behind a 200-token
-# system prompt it barely learns them at all. Then the real prompts and a teacher that errs half
-# the time: the skills carry over, and the sampled policy becomes the imperfect one GRPO sharpens.
+# system prompt it barely learns them at all (hence price_lookup's short one). Then the real
+# prompts and a teacher that errs half the time: the skills carry over, and the sampled policy
+# picks up the teacher's one mistake, which GRPO removes.
 PRETRAIN_TASKS = ("addition", "price_lookup")  # guess_number is beyond the tiny model (see tasks.py)
 PRETRAIN_PHASES = (Phase(share=0.6, noise=0.0, system_prompt=False, mix=PRETRAIN_TASKS),
                    Phase(share=0.4, noise=0.5, system_prompt=True, mix=PRETRAIN_TASKS))

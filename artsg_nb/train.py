@@ -27,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="output directory (default runs/<task>)")
     p.add_argument("--model", default=None, help="base model directory (default: the offline tiny model)")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--groups-per-step", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="learning rate (default RunConfig's)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--loss", default="dapo", choices=["grpo", "dr_grpo", "dapo"])

@@ -30,3 +30,15 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
     assert list(df["step"]) == [1, 2, 3]
     assert df["reload_s"].notna().all() and df["hit_rate"].between(0, 1).all()
     assert (df["is_ratio_mean"] - 1).abs().max() < 1e-3, "on-policy IS ratio should be 1 on the CPU engine"
+
+
+def test_reward_rises_within_four_steps_on_addition(tiny_model_dir, tmp_path):
+    # The tiny model starts out answering about half the sums in a sentence, which scores 0; GRPO
+    # with the default settings removes that habit within a few steps (0.38 -> 0.71 at step 3 when
+    # written). The near-miss recipe this replaced stayed flat here (0.64 -> 0.61 over 10 steps).
+    cfg = RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
+                    verify_adapter=False, verbose=False)
+    with GRPORun(cfg) as run:
+        df = asyncio.run(run.run(4)).df
+    first, late = df["reward_mean"].iloc[0], df["reward_mean"].iloc[2:].mean()
+    assert late >= first + 0.15, f"reward should rise: {list(df['reward_mean'].round(3))}"

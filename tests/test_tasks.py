@@ -141,10 +141,12 @@ def test_pretraining_corpus_is_deterministic_and_clean_teachers_are_right():
         assert play(env, lambda _m: teacher(env, rng, 0.0), task.max_turns)[1] >= best
 
 
-def test_shared_system_prompt_is_long_and_task_prompts_short(tiny_tokenizer):
-    for name in ["price_lookup", "guess_number"]:
+def test_shared_system_prompts_outweigh_the_questions(tiny_tokenizer):
+    # guess_number's long prompt is the caching demo; price_lookup's is short enough for the tiny
+    # model to copy the asked item behind it (tasks.py), yet still most of turn 1's prompt.
+    for name, lo, hi in [("price_lookup", 40, 80), ("guess_number", 100, 300)]:
         system, question = get_task(name).make_env(0).reset()
-        assert 100 <= len(tiny_tokenizer.encode(system["content"])) <= 300
+        assert lo <= len(tiny_tokenizer.encode(system["content"])) <= hi
         assert len(tiny_tokenizer.encode(question["content"])) < 16
     (addition,) = get_task("addition").make_env(0).reset()
     assert len(tiny_tokenizer.encode(addition["content"])) < 12

@@ -76,15 +76,18 @@ def test_encode_transcript_agrees_with_chat_template(tiny_tokenizer):
     assert produced == "".join(r + CHAT_EOS for r in replies)
 
 
-def test_generates_and_knows_the_format(model, tiny_tokenizer):
+def test_generates_the_sum_bare_or_in_the_teachers_sentence(model, tiny_tokenizer):
+    # Pretraining teaches the sums and, from the noisy teacher, the habit GRPO is meant to remove:
+    # "The sum is 7." instead of "7" (tasks._addition_teacher).
     right = 0
     for seed in range(20):
         env = tasks.AdditionEnv(seed)
         ids = tiny_tokenizer.apply_chat_template(env.reset(), add_generation_prompt=True, return_dict=False)
-        out = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, pad_token_id=0)
         reply = tiny_tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-        assert tasks.parse_int_reply(reply) is not None, f"pretraining should teach the format, got {reply!r}"
-        right += env.step(reply).reward == 1.0
+        bare = reply.removeprefix("The sum is").removesuffix(".")
+        assert tasks.parse_int_reply(bare) is not None, f"pretraining should teach the formats, got {reply!r}"
+        right += tasks.parse_int_reply(bare) == env.answer
     assert right >= 10, "pretraining should teach most sums (greedy)"
 
 

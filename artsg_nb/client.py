@@ -3,7 +3,8 @@
 What it does: `SGLangClient` (also used for the CPU engine, which speaks SGLang's native API) and
 `VLLMClient` (client_vllm.py) share one interface, `EngineClient`: generate with token ids in and
 token ids + logprobs out, chat, load/unload LoRA adapters, flush the prefix cache, scrape
-/metrics. Every difference between the engines lives here and only here:
+/metrics, and give the server's GPU memory back around training (`release_memory` /
+`resume_memory`, client_memory.py). Every difference between the engines lives here and only here:
 
 * adapter selection: SGLang /generate takes `lora_path: <name>`, its OpenAI routes take
   `model: "<served>:<adapter>"` (the bare adapter name silently serves the base model); vLLM
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import httpx
+
+from .client_memory import SGLangMemoryMixin
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,11 @@ class AdapterRankError(EngineError):
 
 class ServerUnavailableError(EngineError):
     """No HTTP answer: the server is down, still starting, or too slow."""
+
+
+class MemorySaverError(EngineError):
+    """The server cannot release its memory as asked: started without the memory saver (SGLang
+    --enable-memory-saver, vLLM --enable-sleep-mode), or "weights" asked without a weights backup."""
 
 
 _EXISTS = ("already loaded", "already been loaded", "already exists")
@@ -390,13 +398,14 @@ class _FirstToken:
             await result
 
 
-class SGLangClient(EngineClient):
+class SGLangClient(SGLangMemoryMixin, EngineClient):
     """SGLang's native API (/generate with input_ids), and the CPU engine's, which copies it."""
 
     engine = "sglang"
     route_hints = {
         "/metrics": "Start SGLang with --enable-metrics.",
         "/load_lora_adapter": "This SGLang has no runtime LoRA loading: use SGLang >= 0.4.10.",
+        "/release_memory_occupation": "This server cannot release memory: use SGLang 0.5.x, or run without it.",
     }
 
     async def _generate(self, input_ids, params, adapter) -> list[Generation]:

@@ -5,6 +5,11 @@ What it does: generate through POST /v1/completions with the prompt as a token-i
 adapter with `"model": "<adapter>"`; load/unload adapters through /v1/load_lora_adapter (needs
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; success is a plain-text 200); flush with /reset_prefix_cache
 (needs VLLM_SERVER_DEV_MODE=1). Cached tokens appear only with --enable-prompt-tokens-details.
+Around training, `release_memory` puts the server to sleep (POST /sleep?level=1&mode=wait: weights
+offloaded to CPU RAM, KV cache discarded, whatever the tags; `mode=wait` lets running requests
+finish) and `resume_memory` wakes it (POST /wake_up); both are dev-mode routes and need the server
+started with --enable-sleep-mode (vLLM 0.26: vllm/entrypoints/serve/dev/sleep/api_router.py,
+vllm/v1/engine/core.py `sleep`).
 
 What it does not do: anything engine-neutral (client.py), or vLLM's RL weight-sync routes.
 vLLM's default logprobs are pre-temperature; `check_logprobs_mode` catches a server started
@@ -18,8 +23,9 @@ import logging
 import time
 from typing import Any
 
-from .client import (EngineClient, EngineError, Generation, SamplingParams, chat_payload,
+from .client import (EngineClient, EngineError, Generation, MemorySaverError, SamplingParams, chat_payload,
                      normalise_finish_reason, response_body)
+from .client_memory import DEFAULT_TAGS, memory_tags, saver_problem
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +42,11 @@ class VLLMClient(EngineClient):
         "/v1/unload_lora_adapter": _RUNTIME_LORA,
         "/reset_prefix_cache": _DEV_MODE,
         "/server_info": _DEV_MODE,
+        "/sleep": _DEV_MODE,
+        "/wake_up": _DEV_MODE,
     }
+    released_tags: tuple[str, ...] = ()
+    """("weights", "kv_cache") while this client has the server asleep."""
 
     def _model(self, adapter: str | None) -> str:
         return adapter or self.served_model  # vLLM: the adapter's own name selects it
@@ -127,6 +137,42 @@ class VLLMClient(EngineClient):
     async def server_info(self) -> dict:
         """The server's full configuration (dev-mode route)."""
         return (await self._request("GET", "/server_info", params={"config_format": "json"})).json()
+
+    async def check_memory_saver(self, tags=DEFAULT_TAGS) -> None:
+        """Raise MemorySaverError unless the server runs with --enable-sleep-mode (read from the
+        dev-mode /server_info)."""
+        memory_tags(tags)
+        try:
+            sleep_mode = find_key(await self.server_info(), "enable_sleep_mode")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            raise MemorySaverError(f"vllm has no /server_info, so sleep mode cannot be checked. {_DEV_MODE}") from e
+        # Level 1 always keeps a CPU copy of the weights: no backup flag to check.
+        problem = saver_problem({"enable_memory_saver": sleep_mode}, (), "vllm", "--enable-sleep-mode")
+        if problem:
+            raise MemorySaverError(problem, body={"enable_sleep_mode": sleep_mode})
+
+    async def release_memory(self, tags=DEFAULT_TAGS, idle_timeout_s: float = 60.0) -> float:
+        """Sleep at level 1 (weights to CPU RAM, KV cache dropped: vLLM frees both whatever the
+        tags); seconds taken. Running requests finish first (mode=wait; idle_timeout_s is unused)."""
+        memory_tags(tags)
+        if self.released_tags:
+            raise EngineError("vllm is already asleep (released by this client); call resume_memory() first")
+        await self.check_memory_saver()
+        t0 = time.perf_counter()
+        await self._request("POST", "/sleep", params={"level": 1, "mode": "wait"})
+        self.released_tags = ("weights", "kv_cache")
+        return time.perf_counter() - t0
+
+    async def resume_memory(self) -> float:
+        """Wake the server up (all tags); seconds taken. Not asleep by this client: 0.0."""
+        if not self.released_tags:
+            return 0.0
+        t0 = time.perf_counter()
+        await self._request("POST", "/wake_up")
+        self.released_tags = ()
+        return time.perf_counter() - t0
 
     async def check_logprobs_mode(self) -> str | None:
         """The server's --logprobs-mode; raises EngineError unless it is processed_logprobs.

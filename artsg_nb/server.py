@@ -9,9 +9,9 @@ Each server is recorded on disk (procs.py) so a later kernel can stop the orphan
 servers this process started are stopped at exit. `build_command` / `build_env` are pure, so
 the engines' command lines are unit-tested without launching anything.
 
-What it does not: talk the engines' APIs (client.py, via `Server.client()`), including SGLang's
-memory release/resume around training in colocated mode (POST /release_memory_occupation and
-/resume_memory_occupation with {}; needs `enable_memory_saver=True`) — those are client calls.
+What it does not: talk the engines' APIs (client.py, via `Server.client()`), including the
+memory release/resume around training in colocated mode (`client.release_memory`, which needs the
+server started with `enable_memory_saver=True`) — those are client calls.
 """
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ _ENTRY = {"sglang": "sglang.launch_server", "vllm": "vllm.entrypoints.openai.api
 _HINTS = [
     (("address already in use", "errno 98", "eaddrinuse"),
      "another process holds the port: leave port=None to get a free one"),
+    (("torch-memory-saver is not installed", "no module named 'torch_memory_saver'"),
+     "enable_memory_saver=True needs the torch_memory_saver package in the server environment "
+     "(offline GPU bundle: .whl-tms, tools/gpu/README.md); or start without it"),
     (("out of memory", "outofmemoryerror", "not enough memory"),
      "lower mem_fraction, or free GPU memory (nvidia-smi shows who holds it)"),
     (("no module named", "modulenotfounderror", "importerror"),
@@ -106,7 +109,12 @@ class ServerConfig:
     api_key: str | None = None
     """Bearer token the server requires (--api-key); the client sends it."""
     enable_memory_saver: bool = False
-    """SGLang --enable-memory-saver, needed to release/resume memory around training (1 GPU)."""
+    """Let the client release/resume the server's GPU memory around training (one shared GPU):
+    SGLang --enable-memory-saver (needs torch_memory_saver in its environment), vLLM
+    --enable-sleep-mode, CPU engine --enable-memory-saver."""
+    enable_weights_cpu_backup: bool = False
+    """SGLang/CPU --enable-weights-cpu-backup: keep a host copy of the base weights, so that
+    releasing "weights" does not lose them (vLLM's sleep always keeps one)."""
     schedule_policy: str | None = None
     """SGLang --schedule-policy (e.g. "lpm", "fcfs"); None: SGLang's default."""
     disable_radix_cache: bool = False
@@ -178,6 +186,7 @@ def _sglang_args(cfg: ServerConfig, port: int) -> list[str]:
         args += ["--mem-fraction-static", f"{mem:g}"]
     args += ["--api-key", cfg.api_key] if cfg.api_key else []
     args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
+    args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
     args += ["--schedule-policy", cfg.schedule_policy] if cfg.schedule_policy else []
     return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
 
@@ -191,6 +200,7 @@ def _vllm_args(cfg: ServerConfig, port: int) -> list[str]:
             "--enable-prompt-tokens-details"]         # cached_tokens in usage
     if (mem := cfg.resolved_mem_fraction()) is not None:
         args += ["--gpu-memory-utilization", f"{mem:g}"]
+    args += ["--enable-sleep-mode"] if cfg.enable_memory_saver else []
     return args + (["--api-key", cfg.api_key] if cfg.api_key else [])
 
 
@@ -199,13 +209,15 @@ def _cpu_args(cfg: ServerConfig, port: int) -> list[str]:
             "--max-lora-rank", str(cfg.max_lora_rank),
             "--lora-target-modules", *cfg.lora_target_modules, "--enable-cache-report"]
     args += ["--api-key", cfg.api_key] if cfg.api_key else []
+    args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
+    args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
     return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
 
 
 def _ignored_options(cfg: ServerConfig) -> list[str]:
     """Options the engine has no flag for (logged, not fatal: they only tune performance)."""
-    ignored = {"vllm": ["enable_memory_saver", "schedule_policy"],
-               "cpu": ["enable_memory_saver", "schedule_policy", "mem_fraction"]}.get(cfg.engine, [])
+    ignored = {"vllm": ["schedule_policy"],
+               "cpu": ["schedule_policy", "mem_fraction"]}.get(cfg.engine, [])
     return [name for name in ignored if getattr(cfg, name)]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from artsg_nb.client import (AdapterExistsError, AdapterRankError, EngineError, SamplingParams,
+from artsg_nb.client import (AdapterExistsError, AdapterRankError, EngineError, MemorySaverError, SamplingParams,
                              ServerUnavailableError, SGLangClient, UnknownAdapterError, make_client,
                              merge_stream_chunk, run_sync)
 from artsg_nb.client_vllm import VLLMClient
@@ -301,6 +301,51 @@ def test_health_metrics_models_and_server_info():
     assert info["max_lora_rank"] == 16 and info["enable_lora"] is True
 
 
+def saver_info(**flags) -> tuple[int, dict]:
+    """The recorded /server_info body (memory saver off) with `flags` changed."""
+    status, body = recorded("get_server_info.json")
+    return status, {**copy.deepcopy(body), **flags}
+
+
+def test_release_refused_when_the_server_has_no_memory_saver():
+    # As recorded, SGLang runs without --enable-memory-saver: its routes would answer 200 and free nothing.
+    client, server = sglang({("GET", "/server_info"): saver_info()})
+    with pytest.raises(MemorySaverError, match="--enable-memory-saver.*torch_memory_saver"):
+        run(client.release_memory())
+    assert [r.url.path for r in server.requests] == ["/server_info"]  # nothing released, nothing flushed
+    backup_off, _ = sglang({("GET", "/server_info"): saver_info(enable_memory_saver=True)})
+    with pytest.raises(MemorySaverError, match="--enable-weights-cpu-backup"):
+        run(backup_off.release_memory(("kv_cache", "weights")))
+    with pytest.raises(ValueError, match="kv_cache"):
+        run(backup_off.release_memory(["kv-cache"]))  # SGLang would ignore the typo silently
+
+
+def test_release_waits_for_idle_then_resume_sends_the_same_tags():
+    client, server = sglang({("GET", "/server_info"): saver_info(enable_memory_saver=True),
+                             ("POST", "/flush_cache"): recorded("flush_cache.json"),
+                             ("POST", "/release_memory_occupation"): (200, None),
+                             ("POST", "/resume_memory_occupation"): (200, None)})
+    assert run(client.resume_memory()) == 0.0 and not server.requests  # nothing released: no request
+    assert run(client.release_memory(idle_timeout_s=30)) >= 0
+    paths = [r.url.path for r in server.requests]
+    assert paths == ["/server_info", "/flush_cache", "/release_memory_occupation"]
+    assert server.requests[1].url.params["timeout"] == "30"
+    assert server.sent() == {"tags": ["kv_cache", "cuda_graph"]} and client.released_tags == ("kv_cache", "cuda_graph")
+    with pytest.raises(EngineError, match="already released"):
+        run(client.release_memory())
+    run(client.resume_memory())
+    assert server.requests[-1].url.path == "/resume_memory_occupation"
+    assert server.sent() == {"tags": ["kv_cache", "cuda_graph"]} and client.released_tags == ()
+
+
+def test_release_refused_while_busy_says_so_and_releases_nothing():
+    client, server = sglang({("GET", "/server_info"): saver_info(enable_memory_saver=True),
+                             ("POST", "/flush_cache"): (400, "Timed out waiting for idle state.")})
+    with pytest.raises(EngineError, match="did not become idle within 2 s"):
+        run(client.release_memory(idle_timeout_s=2))
+    assert "/release_memory_occupation" not in [r.url.path for r in server.requests] and not client.released_tags
+
+
 def test_missing_metrics_route_says_how_to_enable_it():
     client, _ = sglang({})
     with pytest.raises(EngineError, match="--enable-metrics"):
@@ -476,6 +521,20 @@ def test_vllm_flush_uses_reset_prefix_cache():
     busy, _ = vllm({("POST", "/reset_prefix_cache"): (200, {"success": False})})
     with pytest.raises(EngineError, match="still in use"):
         run(busy.flush_cache())
+
+
+def test_vllm_release_sleeps_at_level_1_and_resume_wakes_up():
+    info = (200, {"vllm_config": {"model_config": {"enable_sleep_mode": True}}})
+    client, server = vllm({("GET", "/server_info"): info, ("POST", "/sleep"): (200, ""),
+                           ("POST", "/wake_up"): (200, "")})
+    run(client.release_memory())
+    sleep = server.requests[-1]
+    assert sleep.url.path == "/sleep" and dict(sleep.url.params) == {"level": "1", "mode": "wait"}
+    run(client.resume_memory())
+    assert server.requests[-1].url.path == "/wake_up" and client.released_tags == ()
+    no_sleep_mode, _ = vllm({("GET", "/server_info"): (200, {"vllm_config": {"model_config": {}}})})
+    with pytest.raises(MemorySaverError, match="--enable-sleep-mode"):
+        run(no_sleep_mode.release_memory())
 
 
 # ---- factory and sync use -----------------------------------------------------------------

@@ -162,6 +162,15 @@ def test_exit_during_start_shows_log_tail(fake_engine, tmp_path):
     assert not (tmp_path / "cpu.server.json").exists()
 
 
+def test_memory_saver_without_its_package_names_the_fix(tmp_path):
+    # What SGLang 0.5.14 logs when --enable-memory-saver meets an environment without the package.
+    code = ("import sys; print('WARNING: enable_memory_saver is enabled, but torch-memory-saver is not installed.'); "
+            "print(\"ModuleNotFoundError: No module named 'torch_memory_saver'\"); sys.exit(1)")
+    cfg = ServerConfig("cpu", "fake", tmp_path, _command_override=("{python}", "-c", code))
+    with pytest.raises(ServerStartError, match="torch_memory_saver package.*whl-tms"):
+        start_server(cfg)
+
+
 def test_timeout_raises_not_ready_and_stops(fake_engine, tmp_path):
     cfg = fake_cfg(fake_engine, tmp_path, "--delay", "60", startup_timeout_s=1.0)
     t0 = time.monotonic()
@@ -306,6 +315,17 @@ def test_vllm_command_and_env_match_gpu_readme():
     assert env["PYTHONPATH"] == "/tmp/vsite" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     no_cache = build_command(ServerConfig("vllm", "M", "r", port=1, disable_radix_cache=True), "py")
     assert "--no-enable-prefix-caching" in no_cache and "--enable-prefix-caching" not in no_cache
+
+
+def test_memory_saver_flag_per_engine():
+    saver = dict(port=1, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    sglang = build_command(ServerConfig("sglang", "M", "r", **saver), "py")
+    cpu = build_command(ServerConfig("cpu", "M", "r", **saver), "py")
+    assert {"--enable-memory-saver", "--enable-weights-cpu-backup"} <= set(sglang) & set(cpu)
+    vllm = build_command(ServerConfig("vllm", "M", "r", **saver), "py")
+    assert "--enable-sleep-mode" in vllm and "--enable-memory-saver" not in vllm  # sleep always backs up weights
+    plain = build_command(ServerConfig("sglang", "M", "r", port=1), "py")
+    assert not {"--enable-memory-saver", "--enable-weights-cpu-backup"} & set(plain)
 
 
 @pytest.mark.parametrize("rank", [2, 4, 48, 100, 1024])

@@ -3,12 +3,14 @@
     python -m artsg_nb.cpu_engine --model-path DIR --host 127.0.0.1 --port 30000 \\
         [--max-lora-rank 16] [--lora-target-modules all|q_proj ...] [--max-loras-per-batch 8] \\
         [--lora-paths name=path ...] [--cache-budget-tokens 65536] [--disable-radix-cache] \\
-        [--enable-cache-report] [--api-key KEY] [--random-seed S] [--log-level info]
+        [--enable-cache-report] [--enable-memory-saver [--enable-weights-cpu-backup]] \\
+        [--api-key KEY] [--random-seed S] [--log-level info]
 
 What it does: serves a transformers causal LM (float32, CPU) with PEFT LoRA adapters loaded and
 unloaded by name at runtime, behind SGLang's routes, JSON shapes, status codes and metric names
 (/health, /generate, /v1/chat/completions, /load_lora_adapter, /unload_lora_adapter,
-/flush_cache, /metrics, /model_info, /server_info, /v1/models), so the toolkit runs one code path
+/flush_cache, /release_memory_occupation, /resume_memory_occupation, /metrics, /model_info,
+/server_info, /v1/models), so the toolkit runs one code path
 on a laptop or in CI and on a GPU box. Prefixes are reused through a token-level radix cache of
 real KV tensors, namespaced per adapter load id exactly as SGLang keys its cache: reuse within a
 policy version, never across versions. It prints SGLang's "The server is fired up and ready to
@@ -19,7 +21,8 @@ requests) → `cpu_engine_scheduler` (one thread that owns the model: FCFS queue
 batching of running requests, adapters mixed per batch, one prefill at a time with radix reuse)
 → `cpu_engine_batch` (the left-padded running batch) → `cpu_engine_model` (transformers + PEFT
 forward) and `radix_cache`. `cpu_engine_sampling` holds the sampling_params contract and the
-sampler; `cpu_engine_metrics` the Prometheus registry.
+sampler; `cpu_engine_metrics` the Prometheus registry; `cpu_engine_memory` the memory
+release/resume routes.
 
 What it deliberately does not do: CUDA, tensor/pipeline parallelism, quantisation, paged
 attention, chunked prefill, speculative decoding, grammars and penalties, chat streaming,
@@ -41,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from artsg_nb.cpu_engine_memory import MemoryOccupation
 from artsg_nb.cpu_engine_metrics import EngineMetrics
 from artsg_nb.cpu_engine_model import ALL_TARGET_MODULES, AdapterError, ModelRunner, check_adapter_dir
 from artsg_nb.cpu_engine_protocol import BadRequest
@@ -77,6 +81,11 @@ class EngineArgs:
     disable_radix_cache: bool = False
     enable_cache_report: bool = False
     """Fill usage.prompt_tokens_details.cached_tokens in chat responses (SGLang's flag)."""
+    enable_memory_saver: bool = False
+    """Generation is refused while memory is released (SGLang cannot serve then); without the
+    flag a release only flushes the radix cache, as on SGLang."""
+    enable_weights_cpu_backup: bool = False
+    """Reported by /server_info (the weights never leave RAM here)."""
     api_key: str | None = None
     """When set, every route but /health needs `Authorization: Bearer <key>`."""
     random_seed: int | None = None
@@ -103,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
     p.add_argument("--cache-budget-tokens", type=int, default=65536)
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true")
     p.add_argument("--api-key")
     p.add_argument("--random-seed", type=int)
     p.add_argument("--log-level", default="info")
@@ -125,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
         max_lora_rank=a.max_lora_rank, lora_target_modules=targets, max_loras_per_batch=a.max_loras_per_batch,
         lora_paths=tuple(a.lora_paths), cache_budget_tokens=a.cache_budget_tokens,
         disable_radix_cache=a.disable_radix_cache, enable_cache_report=a.enable_cache_report,
+        enable_memory_saver=a.enable_memory_saver, enable_weights_cpu_backup=a.enable_weights_cpu_backup,
         api_key=a.api_key, random_seed=a.random_seed, log_level=a.log_level,
         max_running_requests=a.max_running_requests, max_prefill_tokens=a.max_prefill_tokens,
         num_threads=a.num_threads, skip_server_warmup=a.skip_server_warmup,
@@ -156,6 +168,7 @@ class Engine:
         self.ready = False
         self.boot_error: str | None = None
         self.started_ts = time.time()
+        self.memory = MemoryOccupation(args.enable_memory_saver)
         self._control = asyncio.Lock()  # one load/unload at a time
 
     # ---- boot ----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ What it does: maps each route the toolkit uses onto the Engine (cpu_engine.py): 
 /v1/models and their deprecated get_* aliases), generation (/generate, streaming as SSE
 `data: {...}` chunks ending with `data: [DONE]`; /v1/chat/completions), adapters
 (/load_lora_adapter, /unload_lora_adapter with SGLang's LoRAUpdateOutput body), /flush_cache
-(plain text, 400 while requests run), /metrics (Prometheus text) and the --api-key check.
+(plain text, 400 while requests run), /release_memory_occupation and /resume_memory_occupation
+(null body; cpu_engine_memory), /metrics (Prometheus text) and the --api-key check.
 
 Error shapes follow SGLang: generic 400s are {"error": {"message"}}, a broken sampling_params
 contract is {"error": "<message>"}, chat errors are OpenAI's {"object": "error", ...}, adapter
@@ -28,6 +29,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from artsg_nb.cpu_engine_memory import OccupationError, release_memory, requested_tags, resume_memory
 from artsg_nb.cpu_engine_model import AdapterError
 from artsg_nb.cpu_engine_protocol import (BadRequest, chat_requests, chat_response, generate_requests,
                                           generate_response)
@@ -96,7 +98,7 @@ def _add_info_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.get("/health_generate")
     async def health_generate():
-        if not engine.healthy():
+        if not engine.healthy() or engine.memory.refusal():
             return Response(status_code=503)
         req = Request(input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0.0))
         try:
@@ -155,6 +157,8 @@ def _add_generate_routes(app: FastAPI, engine: Engine) -> None:
             return JSONResponse({"error": str(e)}, status_code=400)
         except BadRequest as e:
             return _error(str(e))
+        if refused := engine.memory.refusal():
+            return _error(refused)
         with_text = bool(body.get("return_text_in_logprobs"))
         if body.get("stream"):
             return StreamingResponse(_sse(engine, reqs, is_batch, with_text), media_type="text/event-stream")
@@ -172,6 +176,8 @@ def _add_generate_routes(app: FastAPI, engine: Engine) -> None:
         try:
             body = await _json_body(request)
             reqs = chat_requests(body, engine.runner, engine.resolve_adapter, engine.served_model_name)
+            if refused := engine.memory.refusal():
+                raise BadRequest(refused)
         except (BadRequest, SamplingParamsError) as e:
             return JSONResponse({"object": "error", "message": str(e), "type": "BadRequestError",
                                  "param": None, "code": 400}, status_code=400)
@@ -242,3 +248,22 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
                 return PlainTextResponse(text, status_code=400)
             await asyncio.sleep(0.05)
         return PlainTextResponse("Cache flushed.\n" + FLUSH_NOTE)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: HttpRequest):
+        return await _memory_call(engine, request, release_memory)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: HttpRequest):
+        return await _memory_call(engine, request, resume_memory)
+
+
+async def _memory_call(engine: Engine, request: HttpRequest, action) -> JSONResponse:
+    """SGLang's shape: 200 with a null body, 400 {"error": {"message"}}."""
+    if not engine.healthy():
+        return _not_ready()
+    try:
+        await action(engine, requested_tags(await _json_body(request)))
+    except (BadRequest, OccupationError) as e:
+        return _error(str(e))
+    return JSONResponse(None)

@@ -499,6 +499,32 @@ def test_flush_cache_text_and_refusal_while_running(engine):
     assert http.post("/flush_cache", params={"timeout": 30}).status_code == 200
 
 
+def test_memory_routes_without_memory_saver_answer_like_sglang(engine):
+    """No --enable-memory-saver: SGLang answers 200 with a null body and frees nothing, but a
+    kv_cache release still flushes the radix cache; generation keeps working."""
+    proc, http = engine
+    generate(http)
+    assert generate(http)["meta_info"]["cached_tokens"] > 0
+    r = http.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+    assert r.status_code == 200 and r.text == "null"
+    assert generate(http)["meta_info"]["cached_tokens"] == 0  # flushed; not refused
+    bad = http.post("/resume_memory_occupation", json={"tags": ["weights"]})  # SGLang: KeyError, server exits
+    assert bad.status_code == 400 and "KeyError: 'weights'" in bad.json()["error"]["message"]
+    assert http.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    assert http.get("/release_memory_occupation").status_code == 200  # no body = every tag
+    assert http.post("/resume_memory_occupation", json={}).status_code == 200
+    assert http.get("/server_info").json()["enable_memory_saver"] is False
+
+    from artsg_nb.client import MemorySaverError, make_client, run_sync
+
+    async def release():
+        async with make_client("cpu", proc.url, http.get("/model_info").json()["model_path"]) as client:
+            await client.release_memory()
+
+    with pytest.raises(MemorySaverError, match="enable_memory_saver=True"):
+        run_sync(release())
+
+
 def test_metrics_names_match_sglang(http):
     generate(http)
     generate(http)  # a hit, so cached_tokens_total exists

@@ -30,8 +30,10 @@ COLUMNS: tuple[str, ...] = (
     "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
     "is_ratio_mean", "is_ratio_min", "is_ratio_max", "tokens", "completion_tokens",
     "rollout_s", "train_s", "reload_s", "hit_rate", "zero_adv_groups", "failed_rollouts",
-    "truncated",
+    "truncated", "release_s", "resume_s",
 )
+# release_s / resume_s: seconds to give the server's GPU memory back before training and take it
+# again after; None (NaN in .df) when the run does not release (RunConfig.release_memory).
 TEXT_COLUMNS = frozenset({"adapter"})
 
 
@@ -127,7 +129,7 @@ class History:
             parts.append(f"loss {row['loss']:.3g}")
         if _present(row.get("hit_rate")):
             parts.append(f"hit {row['hit_rate']:.2f}")
-        for key in ("rollout_s", "train_s", "reload_s"):
+        for key in ("rollout_s", "release_s", "train_s", "resume_s", "reload_s"):
             if _present(row.get(key)):
                 parts.append(f"{key[:-2]} {_format_seconds(row[key])}")
         if _present(row.get("failed_rollouts")) and row["failed_rollouts"] > 0:

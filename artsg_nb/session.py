@@ -8,7 +8,9 @@ newest adapter reloaded, and the step's rollouts redone with the same sampling s
 steps are never lost. An adapter that cannot be saved (disk full) rolls the trainer back to the
 served version, so the step can simply be run again. `resume=True` continues a run from its
 newest completed step (a checkpoint with its history row); with the same seed it draws the same
-samples an uninterrupted run would.
+samples an uninterrupted run would. With `release_memory` (one shared GPU) the server's memory is
+given back after the rollouts and taken again before the reload, so the trainer gets the GPU;
+if training fails meanwhile, the memory is taken back before the error goes up.
 
 What it does not do: the loss (grpo.py), the optimizer (trainer.py), HTTP details (client.py),
 or drawing (plots.py, widgets.py). The algorithm in one paragraph: for each step, sample
@@ -80,6 +82,15 @@ class RunConfig:
     """Continue from the newest complete checkpoint in run_dir."""
     verify_adapter: bool = True
     """After each reload, check the served adapter's logprobs against the trainer's."""
+    release_memory: bool | str = False
+    """Give the server's GPU memory back while the trainer runs, and take it again before the
+    reload (client.release_memory; the server is started with the memory saver). True, False,
+    or "auto": on when server and trainer share one GPU (colocated plan), off on CPU and on
+    split GPUs. SGLang needs torch_memory_saver in its environment. Costs release_s + resume_s
+    per step; the prefix cache it flushes is per adapter anyway, so no hits are lost."""
+    release_tags: tuple[str, ...] = ("kv_cache", "cuda_graph")
+    """What to release (client_memory.MEMORY_TAGS). With "weights" the server also keeps a host
+    copy of the base weights (--enable-weights-cpu-backup); without one they would be lost."""
     server_args: tuple[str, ...] = ()
     """Extra command-line flags for the server; empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS
     (e.g. the attention/sampling backends an offline GPU bundle needs)."""
@@ -104,6 +115,7 @@ class GRPORun:
         self.task = None
         self.history: History | None = None
         self.restarts = 0
+        self.release = False  # resolved cfg.release_memory; may be toggled between steps
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "GRPORun":
@@ -116,6 +128,8 @@ class GRPORun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.plan = plan_gpus(list_gpus())
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
+        self.release = _resolve_release(cfg, self.plan.mode)
+        self.plan = replace(self.plan, release_server_memory=self.release)
         if engine != "cpu" and self.plan.mode == "cpu":
             from .gpus import require_gpu
             require_gpu()
@@ -155,6 +169,8 @@ class GRPORun:
         if self.trainer is None:
             raise RuntimeError("call start() before step()")
         if not self._published:
+            if self.release:  # a server that cannot release fails here, before any rollout
+                await self.client.check_memory_saver(self.cfg.release_tags)
             await self._with_restarts(self._publish, self._initial)
             self._published = True
             # The dashboard's windows run from one step's rollouts to the next (the adapter probe
@@ -163,11 +179,10 @@ class GRPORun:
         step = self.trainer.step + 1
         t0 = time.perf_counter()
         groups, hit_rate = await self._with_restarts(self._rollouts, step)
-        t1 = time.perf_counter()
-        metrics = self.trainer.train_step(groups)
-        t2 = time.perf_counter()
+        rollout_s = time.perf_counter() - t0
+        metrics, train_s, memory_s = await self._train(groups)
         version, reload_s, probe = await self._save_and_reload(groups)
-        row = self._row(step, groups, metrics, hit_rate, t1 - t0, t2 - t1, reload_s, probe)
+        row = self._row(step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe, memory_s)
         self.history.append(row)
         if self.cfg.verbose:
             print(self.history.format_row(row), flush=True)
@@ -190,7 +205,8 @@ class GRPORun:
         extra = tuple(cfg.server_args) or tuple(shlex.split(os.environ.get(f"ARTSG_{engine.upper()}_ARGS", "")))
         scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
-                            api_key=cfg.api_key, extra_args=extra)
+                            api_key=cfg.api_key, extra_args=extra, enable_memory_saver=self.release,
+                            enable_weights_cpu_backup=self.release and "weights" in cfg.release_tags)
         return start_server(scfg)
 
     def _make_trainer(self, model_path: str):
@@ -250,6 +266,31 @@ class GRPORun:
         text = await self.client.metrics_text()
         self.tracker.add_sample(text)
         return groups, hit_rate(before, cache_counters(text, self.tracker.engine))
+
+    async def _train(self, groups) -> tuple[dict, float, tuple]:
+        """trainer.train_step, with the server's memory released around it when `self.release`.
+
+        A failed release raises before anything is trained (step() can run again); a server that
+        died is restarted as in rollouts (a fresh one has nothing to resume). If training fails,
+        the memory is taken back before the error goes up. Returns (metrics, train_s,
+        (release_s, resume_s)), the pair (None, None) when off.
+        """
+        release = lambda: self.client.release_memory(self.cfg.release_tags)  # noqa: E731
+        resume = lambda: self.client.resume_memory()  # noqa: E731  (self.client after a restart)
+        release_s = await self._with_restarts(release) if self.release else None
+        t0 = time.perf_counter()
+        try:
+            metrics = self.trainer.train_step(groups)
+        except BaseException:
+            if self.release:
+                try:
+                    await self._with_restarts(resume)
+                except Exception as e:  # the training error is the one to report
+                    log.error("could not resume the server's memory after a failed training step: %s", e)
+            raise
+        train_s = time.perf_counter() - t0
+        resume_s = await self._with_restarts(resume) if self.release else None
+        return metrics, train_s, (release_s, resume_s)
 
     async def _raise_if_server_lost(self, groups) -> None:
         """Failed rollouts and a server that exited (or no longer answers /health) are a server
@@ -321,7 +362,7 @@ class GRPORun:
         if self.publisher.current is None or self.publisher.current.name != version.name:
             await self.publisher.publish(version)
 
-    def _row(self, step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe) -> dict:
+    def _row(self, step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe, memory_s) -> dict:
         trajs = [t for g in groups for t in g.trajectories]
         rewards = [t.reward for t in trajs if t.error is None and t.reward is not None]
         mean = sum(rewards) / len(rewards) if rewards else float("nan")
@@ -332,6 +373,7 @@ class GRPORun:
                 "is_ratio_max": metrics.get("is_ratio_max"), "grad_norm": metrics.get("grad_norm"),
                 "tokens": metrics.get("tokens"), "completion_tokens": metrics.get("completion_tokens"),
                 "rollout_s": rollout_s, "train_s": train_s, "reload_s": reload_s, "hit_rate": hit_rate,
+                "release_s": memory_s[0], "resume_s": memory_s[1],
                 "zero_adv_groups": metrics.get("zero_adv_groups"),
                 "failed_rollouts": sum(t.error is not None for t in trajs),
                 "truncated": sum(bool(t.truncated) for t in trajs), "restarts": self.restarts,
@@ -356,6 +398,18 @@ def _probe_trajectory(groups):
             if t.error is None and sum(t.completion_mask) > 0:
                 return t
     return None
+
+
+def _resolve_release(cfg: RunConfig, mode: str) -> bool:
+    """cfg.release_memory → bool ("auto": only when server and trainer share one GPU)."""
+    from .client_memory import memory_tags
+
+    memory_tags(cfg.release_tags)  # a typo fails before anything is launched
+    if cfg.release_memory == "auto":
+        return mode == "colocated"
+    if not isinstance(cfg.release_memory, bool):
+        raise ValueError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto'")
+    return cfg.release_memory
 
 
 def _exit_status(server) -> str:

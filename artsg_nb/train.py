@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     p.add_argument("--max-restarts", type=int, default=2)
+    p.add_argument("--release-memory", default="off", choices=["off", "on", "auto"],
+                   help="release the server's GPU memory around each training step (auto: one shared GPU)")
     p.add_argument("--list-tasks", action="store_true", help="print the tasks and exit")
     return p.parse_args(argv)
 
@@ -47,6 +49,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
                     group_size=a.group_size, groups_per_step=a.groups_per_step, lora_rank=a.lora_rank,
                     lora_alpha=2 * a.lora_rank, schedule=a.schedule, seed=a.seed, resume=a.resume,
                     max_restarts=a.max_restarts,
+                    release_memory={"off": False, "on": True}.get(a.release_memory, a.release_memory),
                     grpo=GRPOConfig(loss_type=a.loss, beta=a.beta, is_mode=a.is_mode))
     return replace(cfg, learning_rate=a.lr) if a.lr is not None else cfg
 
@@ -57,7 +60,7 @@ async def _train(run: GRPORun, steps: int) -> None:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """Errors whose message already says what happened and what to try: no traceback for them."""
-    from .client import AdapterRankError
+    from .client import AdapterRankError, MemorySaverError
     from .envs import ServerEnvNotFoundError
     from .gpus import CudaAlreadyInitializedError, NoGpuError
     from .lora import AdapterSaveError
@@ -67,7 +70,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from .trainer import CheckpointError
 
     return (UnknownTaskError, ServerEnvNotFoundError, NoGpuError, CudaAlreadyInitializedError, ServerError,
-            ServerLostError, AdapterSaveError, AdapterRankError, CheckpointError)
+            ServerLostError, AdapterSaveError, AdapterRankError, CheckpointError, MemorySaverError)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,107 @@
+"""Releasing the server's memory around training, the way a one-GPU notebook runs it: one GRPORun
+with release_memory=True on the CPU engine (started with --enable-memory-saver) serves every test.
+
+What SGLang does, with file:line, is in artsg_nb/client_memory.py; the request shapes against the
+recorded SGLang bodies are in test_client_contract.py; the answers without --enable-memory-saver
+in test_cpu_engine.py.
+"""
+import asyncio
+
+import httpx
+import pytest
+
+from artsg_nb.client import EngineError, MemorySaverError, SamplingParams
+from artsg_nb.session import GRPORun, RunConfig, _resolve_release
+
+PROMPT = [5, 17, 33, 101, 250, 7, 9, 64, 300, 12, 45, 88]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, tmp_path_factory):
+    cfg = RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir),
+                    run_dir=str(tmp_path_factory.mktemp("memory") / "run"), group_size=2, groups_per_step=2,
+                    verbose=False, release_memory=True)
+    with GRPORun(cfg) as run:
+        yield run
+
+
+def generate_status(run, route="/generate") -> int:
+    """Status of one raw request (sync, so it also works from inside trainer.train_step)."""
+    body = ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}} if route == "/generate" else
+            {"model": run.server.config.model_path, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    return httpx.post(run.server.url + route, json=body, timeout=60).status_code
+
+
+def test_steps_release_while_training_and_record_the_times(run, monkeypatch):
+    seen = []
+    train_step = run.trainer.train_step
+
+    def spying(groups):  # what the server does while the trainer runs
+        seen.append((generate_status(run), run.client.released_tags))
+        return train_step(groups)
+
+    monkeypatch.setattr(run.trainer, "train_step", spying)
+    row = asyncio.run(run.step())
+    assert seen == [(400, ("kv_cache", "cuda_graph"))], "the server should refuse to generate while released"
+    assert row["release_s"] > 0 and row["resume_s"] > 0 and row["failed_rollouts"] == 0
+    df = run.history.df
+    assert df["release_s"].notna().all() and df["resume_s"].notna().all()
+    assert "release" in run.history.format_row(row) and "resume" in run.history.format_row(row)
+    assert run.client.released_tags == () and run.plan.release_server_memory and run.server.config.enable_memory_saver
+    groups, _ = asyncio.run(run._rollouts(2))  # the next step's rollouts, on the resumed memory
+    assert all(t.error is None and t.reward is not None for g in groups for t in g.trajectories)
+
+
+def test_release_waits_until_running_requests_finish(run):
+    async def scenario():
+        client = run.client
+        started = asyncio.Event()
+        long = asyncio.create_task(client.generate(
+            PROMPT, SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True), on_first_token=started))
+        await started.wait()
+        async with httpx.AsyncClient(base_url=run.server.url) as http:  # unguarded: SGLang would assert and exit
+            raw = await http.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
+        assert raw.status_code == 400 and "only when server is idle" in raw.json()["error"]["message"]
+        await client.release_memory(idle_timeout_s=60)
+        assert long.done() and len((await long)[0].output_ids) == 120, "released before the request finished"
+        await client.resume_memory()
+
+    asyncio.run(scenario())
+
+
+def test_refusals_leave_the_server_serving(run):
+    async def scenario():
+        client = run.client
+        with pytest.raises(MemorySaverError, match="--enable-weights-cpu-backup"):
+            await client.release_memory(("kv_cache", "weights"))
+        assert await client.resume_memory() == 0.0  # nothing released: nothing sent
+        await client.release_memory()
+        with pytest.raises(EngineError, match="already released"):
+            await client.release_memory()
+        assert generate_status(run, "/v1/chat/completions") == 400
+        await client.resume_memory()
+        assert len(await client.generate(PROMPT, SamplingParams(max_new_tokens=3))) == 1
+
+    asyncio.run(scenario())
+
+
+def test_failed_training_takes_the_memory_back(run, monkeypatch):
+    def out_of_memory(groups):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(run.trainer, "train_step", out_of_memory)
+    step = run.trainer.step
+    with pytest.raises(RuntimeError, match="simulated"):
+        asyncio.run(run.step())
+    assert run.client.released_tags == () and generate_status(run) == 200
+    assert run.trainer.step == step and len(run.history) == 1  # nothing recorded; step() can run again
+
+
+def test_release_memory_option():
+    cfg = RunConfig(release_memory="auto")
+    assert _resolve_release(cfg, "colocated") and not _resolve_release(cfg, "cpu")
+    assert not _resolve_release(cfg, "split")
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        _resolve_release(RunConfig(release_memory="yes"), "colocated")
+    with pytest.raises(ValueError, match="kv_cache"):
+        _resolve_release(RunConfig(release_memory=True, release_tags=("kvcache",)), "colocated")

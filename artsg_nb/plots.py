@@ -71,6 +71,11 @@ def plot_is_ratio(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
     _, high = _column(df, "is_ratio_max")
     if _has_data(low) and _has_data(high):
         ax.fill_between(step, low, high, color="tab:green", alpha=0.2, label="min–max")
+    # On-policy the ratio sits within ~1e-5 of 1: show at least 0.95-1.05, in plain numbers
+    # rather than matplotlib's "1e-5+1" offset, so "exactly on-policy" reads as a flat line.
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(min(lo, 0.95), max(hi, 1.05))
+    ax.ticklabel_format(axis="y", useOffset=False)
     return ax
 
 

@@ -8,6 +8,7 @@
 #   web            .whl-web/            from tools/gpu/web-wheels.txt        (optional extras)
 #   unsloth        .whl-unsloth/        from tools/gpu/unsloth-wheels.txt    (stripped wheels)
 #   unsloth-extra  .whl-unsloth-extra/  from tools/gpu/unsloth-extra-wheels.txt (torchao)
+#   tms            .whl-tms/            from tools/gpu/tms-wheels.txt       (torch_memory_saver, server side)
 #   sglang         .gpu-bundle/         via ../shared/gpu/make_bundle.sh
 #   vllm           .vllm-bundle/part{A,B,C}/ via ../shared/gpu/make_vllm_bundle.py
 #   all            every set above
@@ -93,15 +94,15 @@ PY
 }
 
 sets=("$@"); [[ ${#sets[@]} -eq 0 ]] && sets=(all)
-[[ " ${sets[*]} " == *" all "* ]] && sets=(kernel web unsloth unsloth-extra sglang vllm)
+[[ " ${sets[*]} " == *" all "* ]] && sets=(kernel web unsloth unsloth-extra tms sglang vllm)
 for s in "${sets[@]}"; do
   case $s in
-    kernel|web|unsloth|unsloth-extra) fetch_list "$LISTS/$s-wheels.txt" "$REPO/.whl-$s" ;;
+    kernel|web|unsloth|unsloth-extra|tms) fetch_list "$LISTS/$s-wheels.txt" "$REPO/.whl-$s" ;;
     sglang) echo "== sglang -> .gpu-bundle"; bash "$SHARED_GPU/make_bundle.sh" "$REPO/.gpu-bundle" 2>&1 \
               | { grep -v "is ignored: it is neither a file nor a directory" || true; } ;;
     vllm)   echo "== vllm -> .vllm-bundle"; "$PY" "$SHARED_GPU/make_vllm_bundle.py" "$REPO/.vllm-bundle" 2>&1 \
               | { grep -v "is ignored: it is neither a file nor a directory" || true; } ;;
-    *) echo "unknown set: $s (kernel web unsloth unsloth-extra sglang vllm all)" >&2; exit 2 ;;
+    *) echo "unknown set: $s (kernel web unsloth unsloth-extra tms sglang vllm all)" >&2; exit 2 ;;
   esac
 done
 # Keep the folders out of git (harmless if already listed).

@@ -15,6 +15,8 @@
 #   .whl-web/*.whl                 -> /tmp/web-site            (optional kernel-side extras)
 #   .whl-unsloth/*.whl             -> /tmp/unsloth-site
 #   .whl-unsloth-extra/*.whl       -> /tmp/unsloth-extra-site  (torchao, optional)
+#   .whl-tms/*.whl                 -> /tmp/tms-site   (torch_memory_saver: SGLang --enable-memory-saver;
+#                                     appended to the server's PYTHONPATH, not the kernel's)
 #
 # Sets are installed in parallel, each into a temporary folder that replaces the old one only on
 # success. /tmp survives to the next run only if it starts within ~30 s of this one ending, so
@@ -101,6 +103,7 @@ install_set kernel "$REPO/.whl-kernel" "$T/kernel-site"
 install_set web "$REPO/.whl-web" "$T/web-site"
 install_set unsloth "$REPO/.whl-unsloth" "$T/unsloth-site"
 install_set unsloth-extra "$REPO/.whl-unsloth-extra" "$T/unsloth-extra-site"
+install_set tms "$REPO/.whl-tms" "$T/tms-site"
 
 wait
 FAILED=0
@@ -131,7 +134,7 @@ VLLM_READY=0
 
 # --- report -------------------------------------------------------------------------------------
 echo "artsg install ($REPO, $("$PY" --version 2>&1)):"
-for name in sglang vllm-partA vllm-partB vllm-partC kernel web unsloth unsloth-extra; do
+for name in sglang vllm-partA vllm-partB vllm-partC kernel web unsloth unsloth-extra tms; do
   printf '  %-14s %s\n' "$name" "${STATUS[$name]}"
 done
 printf '  %-14s %s\n' "vllm" "$([[ $VLLM_READY == 1 ]] && echo "complete in $T/vsite" || echo "incomplete (parts:$(for p in A B C; do [[ -f $T/vsite/.part$p.done ]] && printf ' %s' $p; done))")"
@@ -144,6 +147,22 @@ for d in kernel-site web-site unsloth-site unsloth-extra-site; do
   have "$T/$d" && KPATH="$KPATH$T/$d:"
 done
 SPATH="$T/sglang-site:$T/sglang-stub"
+SENV_EXTRA=""
+if have "$T/tms-site"; then
+  SPATH="$SPATH:$T/tms-site"
+  # torch_memory_saver's hook is LD_PRELOADed into SGLang's scheduler, before torch has loaded
+  # libcudart.so.13 from its nvidia wheel: the loader must find it on its own path.
+  if ! ldconfig -p 2>/dev/null | grep -q 'libcudart\.so\.13 '; then
+    CUDART=$("$PY" - <<'PY' 2>/dev/null
+import glob, os, sys
+cands = [p for d in sys.path if d and os.path.isdir(d) for p in glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcudart.so.13*"))]
+cands += glob.glob("/usr/local/cuda/lib64/libcudart.so.13*") + glob.glob("/usr/local/cuda/targets/*/lib/libcudart.so.13*")
+print(os.path.dirname(cands[0]) if cands else "")
+PY
+)
+    [[ -n $CUDART ]] && SENV_EXTRA=" LD_LIBRARY_PATH=$CUDART${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
 cat >"$ENV_FILE" <<EOF
 # Written by tools/gpu/install.sh; source it in the device command. Kernel side: PYTHONPATH.
 # Server subprocesses: give them ARTSG_SERVER_PYTHONPATH / ARTSG_VLLM_PYTHONPATH as their whole
@@ -159,13 +178,14 @@ export PATH=$T/kernel-site/bin:\$ARTSG_BASE_PATH
 export ARTSG_SERVER_PYTHON=$PY
 export ARTSG_SERVER_PYTHONPATH=$SPATH
 # Also handed to the server subprocess explicitly by artsg_nb.envs.server_extra_env (KEY=VALUE ...).
-export ARTSG_SERVER_ENV="HF_HUB_OFFLINE=1 SGLANG_IS_FLASHINFER_AVAILABLE=false TVM_FFI_CACHE_DIR=$T/tvmcache CUDA_HOME=/usr/local/cuda"
+export ARTSG_SERVER_ENV="HF_HUB_OFFLINE=1 SGLANG_IS_FLASHINFER_AVAILABLE=false TVM_FFI_CACHE_DIR=$T/tvmcache CUDA_HOME=/usr/local/cuda$SENV_EXTRA"
 export ARTSG_VLLM_ENV="HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1"
 export ARTSG_SGLANG_READY=$(have "$T/sglang-site" && [[ -d $T/sglang-stub ]] && echo 1 || echo 0)
 export ARTSG_VLLM_PYTHON=$PY
 export ARTSG_VLLM_PYTHONPATH=$T/vsite
 export ARTSG_VLLM_READY=$VLLM_READY
 export ARTSG_UNSLOTH_READY=$(have "$T/unsloth-site" && have "$T/kernel-site" && echo 1 || echo 0)
+export ARTSG_TMS_READY=$(have "$T/tms-site" && echo 1 || echo 0)
 export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export SGLANG_IS_FLASHINFER_AVAILABLE=false
@@ -204,6 +224,10 @@ raise SystemExit(0 if ok else 1)
 PY
   if [[ -f $T/sglang-site/.artsg-installed ]]; then
     PYTHONPATH=$ARTSG_SERVER_PYTHONPATH "$PY" -c "import sglang, sgl_kernel, transformers; print('  server: sglang', sglang.__version__, '| transformers', transformers.__version__)" \
+      || FAILED=1
+  fi
+  if [[ $ARTSG_TMS_READY == 1 ]]; then
+    PYTHONPATH=$ARTSG_SERVER_PYTHONPATH "$PY" -c "import torch_memory_saver.utils as u; print('  server: torch_memory_saver', u.get_binary_path_from_package('torch_memory_saver_hook_mode_preload'))" \
       || FAILED=1
   fi
   if [[ $VLLM_READY == 1 ]]; then

@@ -14,6 +14,10 @@
 #   notebook    the quickstart executed headless against SGLang (python -m artsg_nb.demo)
 #   bench       python -m artsg_nb.bench on SGLang: schedules x radix on/off + reload latency
 #   trainer-tps trainer tokens/s with and without Unsloth (tools/gpu/trainer_tps.py)
+#   memsaver    SGLang memory release around training on the tiny model, off vs on, GPU memory before/
+#               after, release/resume seconds (tools/gpu/memsaver.py; needs .whl-tms carried);
+#               prints its stage lines and a `memsaver:` summary, writes $OUT/memsaver_tiny.json
+#   memsaver-05b  the same on the 0.5b model ($OUT/memsaver_05b.json)
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 99
 source /tmp/artsg-env.sh || { echo "run tools/gpu/install.sh first"; exit 99; }
@@ -47,6 +51,12 @@ for p in "$@"; do
                    --prompt-tokens 1500 --new-tokens 128 --schedule ${BENCH_SCHEDULES:-naive,prefix,prefix_n,n} --radix on,off \
                    --repeats 2 --out "$OUT/bench_sglang.csv" ;;
     trainer-tps) phase trainer-tps 300 python3 tools/gpu/trainer_tps.py --model $BIG --out "$OUT/trainer_tps.json" ;;
+    memsaver|memsaver-05b)
+                 if [[ $p == memsaver ]]; then M=$TINY; TAG=tiny; SIZE=tiny; else M=$BIG; TAG=05b; SIZE=0.5b; fi
+                 phase "$p" 480 bash -c "[ \"\${ARTSG_TMS_READY:-0}\" = 1 ] || { echo 'torch_memory_saver is not installed: carry .whl-tms (tools/gpu/README.md)'; exit 3; }
+                   [ -f $M/config.json ] || python3 -m artsg_nb.tiny_model $M --size $SIZE || exit 4
+                   python3 tools/gpu/memsaver.py --model $M --run-dir /tmp/runs/memsaver-$TAG --out $OUT/memsaver_$TAG.json --budget-s 420"
+                 grep -E '^(PASS|FAIL|SKIP) |^memsaver:' "$OUT/$p.log" | cut -c1-400 | sed 's/^/    /' ;;
     *) echo "unknown phase $p"; FAILS=$((FAILS + 1)) ;;
   esac
 done

@@ -6,7 +6,8 @@ into a `GpuPlan`:
 
   - 2+ GPUs → "split":     the server owns GPU 0, the trainer (the notebook kernel) GPUs 1..n;
   - 1 GPU   → "colocated": both share it; the server takes `server_mem_fraction` (0.45) of its
-                           memory and releases it around training (SGLang memory saver);
+                           memory and can give it back around training (session.RunConfig.
+                           release_memory; SGLang's memory saver);
   - none    → "cpu":       the CPU engine and a CPU trainer.
 
 `GpuPlan.server_env()` is the environment for the server subprocess; `apply_to_kernel(plan)`
@@ -77,7 +78,8 @@ class GpuPlan:
     --gpu-memory-utilization); None leaves the engine's default (split and cpu modes)."""
     release_server_memory: bool = False
     """Colocated: release the server's GPU memory before each training step and resume it
-    after (SGLang needs --enable-memory-saver; see client)."""
+    after (SGLang needs --enable-memory-saver; see client_memory). GRPORun sets it from
+    RunConfig.release_memory, so the plan it shows says what the run does."""
     gpus: tuple[GpuInfo, ...] = field(default=(), compare=False)
     """The GPUs the plan was made from, for display."""
 

@@ -23,7 +23,6 @@ draw training curves (plots.py).
 from __future__ import annotations
 
 import os
-import shlex
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -169,15 +168,13 @@ def engine_availability(plan) -> pd.DataFrame:
 def bench_engines(cfg, engines: Sequence[str]) -> pd.DataFrame:
     """bench.run_bench(cfg) once per engine; each CSV goes to `<cfg.run_dir>/bench-<engine>.csv`.
 
-    Server flags come from cfg.extra_args, else $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS (as for
-    GRPORun: what an offline GPU bundle needs)."""
+    Server flags: cfg.extra_args, else $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS (bench.server_args)."""
     from .bench import COLUMNS, run_bench
 
     frames = [pd.DataFrame(columns=COLUMNS)]  # no engine: an empty table, not an error
     for engine in engines:
-        extra = tuple(cfg.extra_args) or tuple(shlex.split(os.environ.get(f"ARTSG_{engine.upper()}_ARGS", "")))
         out = Path(cfg.run_dir) / f"bench-{engine}.csv"
-        frames.append(run_bench(replace(cfg, engine=engine, extra_args=extra, out=str(out))))
+        frames.append(run_bench(replace(cfg, engine=engine, out=str(out))))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -189,7 +186,7 @@ def load_results(results_dir: str | os.PathLike, gpu: str | None = None) -> pd.D
 
     files = sorted(Path(results_dir).glob("*.csv"))
     if not files:
-        return pd.DataFrame(columns=["source", "gpu", "workload", *COLUMNS])
+        return pd.DataFrame(columns=["source", "gpu", *COLUMNS])
     df = pd.concat([pd.read_csv(f).assign(source=f.name) for f in files], ignore_index=True)
     if "gpu" not in df:
         df["gpu"] = df.get("hardware")

@@ -50,7 +50,7 @@ COLUMNS = [
     "samples", "failed", "mean_prompt_tokens", "wall_s", "out_tok_s", "total_tok_s",
     "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", "hit_rate_server", "hit_rate_requests",
     "hit_rate_theoretical", "hit_vs_theoretical", "raw_fraction", "flushed", "reload_save_s",
-    "reload_load_s", "reload_first_s", "reload_s", "flags"]
+    "reload_load_s", "reload_first_s", "reload_s", "flags", "workload"]
 """Columns of a benchmark DataFrame (plots.plot_engine_comparison reads them by name)."""
 
 
@@ -99,11 +99,15 @@ class BenchConfig:
     run_dir: str = "runs/bench"
     """Server logs and the adapters saved for the reload figure."""
     extra_args: tuple[str, ...] = ()
-    """Extra server command-line arguments (e.g. the GPU bundle's --attention-backend triton)."""
+    """Extra server command-line arguments (e.g. the GPU bundle's --attention-backend triton);
+    empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as GRPORun does (server_args)."""
     out: str | None = None
     """CSV path; None: benchmarks/results/<date>-<engine>-<hardware>.csv."""
     flags: str = ""
     """The command line, recorded in each row."""
+    workload: str | None = None
+    """A short label for the workload's shape (e.g. "A"), recorded in each row; the notebook
+    shows it before the shape (analysis.label_workloads)."""
     seed: int = 0
     """Base seed of the synthetic prompts."""
 
@@ -135,6 +139,11 @@ async def engine_version(client) -> str:
         except Exception:  # an engine without that route: try the next
             continue
     return "unknown"
+
+
+def server_args(cfg: BenchConfig) -> tuple[str, ...]:
+    """cfg.extra_args, else $ARTSG_<ENGINE>_ARGS (what an offline GPU bundle needs)."""
+    return tuple(cfg.extra_args) or tuple(shlex.split(os.environ.get(f"ARTSG_{cfg.engine.upper()}_ARGS", "")))
 
 
 def default_model(engine: str) -> str:
@@ -257,7 +266,7 @@ async def bench_server(client, cfg: BenchConfig, radix: bool, model_path: str) -
             "engine": cfg.engine, "engine_version": await engine_version(client), "model": model_path,
             "radix": "on" if radix else "off", "groups": cfg.groups, "group_size": cfg.group_size,
             "turns": cfg.turns, "prompt_tokens": cfg.prompt_tokens, "new_tokens": cfg.new_tokens,
-            "stream_all": cfg.stream_all, "flags": cfg.flags}
+            "stream_all": cfg.stream_all, "flags": cfg.flags, "workload": cfg.workload}
     fresh = iter(range(cfg.seed * 1_000_000, (cfg.seed + 1) * 1_000_000, cfg.groups))  # new prompts per run
     for _ in range(cfg.warmup):
         await _flush(client)
@@ -317,7 +326,7 @@ def run_bench(cfg: BenchConfig) -> pd.DataFrame:
             rows += run_sync(_with_client(client, cfg, radix, model))
             continue
         server_cfg = ServerConfig(engine=cfg.engine, model_path=model, run_dir=cfg.run_dir,
-                                  disable_radix_cache=not radix, extra_args=cfg.extra_args)
+                                  disable_radix_cache=not radix, extra_args=server_args(cfg))
         with start_server(server_cfg) as server:
             rows += run_sync(_with_client(server.client(), cfg, radix, model))
     df = _finish(rows)
@@ -376,6 +385,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--run-dir", default="runs/bench")
     p.add_argument("--extra-args", default="", help="extra server arguments, one quoted string")
     p.add_argument("--out")
+    p.add_argument("--workload", help="a short label for this shape, e.g. A (kept in every row)")
     a = p.parse_args(argv)
     radix = tuple({"on": True, "off": False}[r.strip()] for r in a.radix.split(","))
     return BenchConfig(
@@ -384,7 +394,8 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         schedules=tuple(s.strip() for s in a.schedule.split(",")), radix=radix, raw=a.raw,
         stream_all=a.stream_all, reload=a.reload, repeats=a.repeats, warmup=a.warmup,
         temperature=a.temperature, concurrency=a.concurrency, server_url=a.server_url, run_dir=a.run_dir,
-        extra_args=tuple(shlex.split(a.extra_args)), out=a.out, flags=" ".join(argv))
+        extra_args=tuple(shlex.split(a.extra_args)), out=a.out, flags=" ".join(argv),
+        workload=a.workload)
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame:

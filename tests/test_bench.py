@@ -13,9 +13,10 @@ from artsg_nb.rollout import Trajectory, TrajectoryGroup
 
 def test_cli_flags_parse():
     cfg = parse_args(["--engine", "sglang", "--groups", "3", "--schedule", "naive, prefix_n",
-                      "--radix", "on,off", "--no-raw", "--extra-args", "--attention-backend triton"])
-    assert (cfg.engine, cfg.groups, cfg.schedules, cfg.radix, cfg.raw) == (
-        "sglang", 3, ("naive", "prefix_n"), (True, False), False)
+                      "--radix", "on,off", "--no-raw", "--extra-args", "--attention-backend triton",
+                      "--workload", "A"])
+    assert (cfg.engine, cfg.groups, cfg.schedules, cfg.radix, cfg.raw, cfg.workload) == (
+        "sglang", 3, ("naive", "prefix_n"), (True, False), False, "A")
     assert cfg.extra_args == ("--attention-backend", "triton")
 
 
@@ -35,9 +36,9 @@ def test_small_cpu_run(tmp_path):
     out = tmp_path / "bench.csv"
     cfg = BenchConfig(engine="cpu", groups=2, group_size=2, prompt_tokens=64, new_tokens=4,
                       schedules=("naive", "prefix", "prefix_n"), warmup=0, reload_repeats=1,
-                      run_dir=str(tmp_path / "run"), out=str(out), flags="test")
+                      run_dir=str(tmp_path / "run"), out=str(out), flags="test", workload="T")
     df = run_bench(cfg)
-    assert list(df.columns) == COLUMNS
+    assert list(df.columns) == COLUMNS and (df["workload"] == "T").all()
     assert out.exists() and len(pd.read_csv(out)) == len(df)
     # toolkit rows for each schedule, raw rows where the raw baseline implements the schedule
     assert sorted(zip(df["mode"], df["schedule"])) == sorted(

@@ -13,6 +13,11 @@
 #   train       python -m artsg_nb.train on SGLang, colocated on this GPU, a few steps
 #   notebook    the quickstart executed headless against SGLang (python -m artsg_nb.demo)
 #   bench       python -m artsg_nb.bench on SGLang: schedules x radix on/off + reload latency
+#               (workload A: 8 x 8 samples of a 1,500-token prompt, 128 new tokens, leaders stream;
+#               BENCH_SCHEDULES, BENCH_RADIX, BENCH_REPEATS override), $OUT/bench_sglang.csv
+#   bench-vllm  the same workload on vLLM (radix on unless BENCH_RADIX), $OUT/bench_vllm.csv
+#   train-vllm  python -m artsg_nb.train on vLLM, colocated, a few steps on the 0.5b model (the
+#               tiny model's head_dim 16 is below what vLLM's attention kernels take)
 #   trainer-tps trainer tokens/s with and without Unsloth (tools/gpu/trainer_tps.py)
 #   memsaver    SGLang memory release around training on the tiny model, off vs on, GPU memory before/
 #               after, release/resume seconds (tools/gpu/memsaver.py; needs .whl-tms carried);
@@ -47,15 +52,22 @@ for p in "$@"; do
     tests)       phase tests 400 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q -m "gpu or sglang" tests ;;
     train)       phase train 400 python3 -m artsg_nb.train --engine sglang --model $TINY --steps ${TRAIN_STEPS:-5} --run-dir /tmp/runs/train-sglang ;;
     notebook)    phase notebook 500 python3 -m artsg_nb.demo --run-dir /tmp/runs/demo-sglang ;;
-    bench)       phase bench 500 python3 -m artsg_nb.bench --engine sglang --model $BIG --groups 8 --group-size 8 \
-                   --prompt-tokens 1500 --new-tokens 128 --schedule ${BENCH_SCHEDULES:-naive,prefix,prefix_n,n} --radix on,off \
-                   --repeats 2 --out "$OUT/bench_sglang.csv" ;;
+    bench|bench-vllm)
+                 E=sglang; [[ $p == bench-vllm ]] && E=vllm
+                 phase "$p" "${BENCH_LIMIT_S:-500}" python3 -m artsg_nb.bench --engine $E --model $BIG --groups 8 --group-size 8 \
+                   --prompt-tokens 1500 --new-tokens 128 --no-stream-all --workload A_nostream \
+                   --schedule ${BENCH_SCHEDULES:-naive,prefix,prefix_n,n} --radix ${BENCH_RADIX:-$([[ $E == sglang ]] && echo on,off || echo on)} \
+                   --repeats ${BENCH_REPEATS:-3} --run-dir /tmp/runs/bench-$E --out "$OUT/bench_$E.csv"
+                 grep -E "^ *$E " "$OUT/$p.log" | cut -c1-200 | sed 's/^/    /' ;;
+    train-vllm)  phase train-vllm 400 python3 -m artsg_nb.train --engine vllm --model $BIG --steps ${TRAIN_STEPS:-3} \
+                   --run-dir /tmp/runs/train-vllm ;;
     trainer-tps) phase trainer-tps 300 python3 tools/gpu/trainer_tps.py --model $BIG --out "$OUT/trainer_tps.json" ;;
     memsaver|memsaver-05b)
                  if [[ $p == memsaver ]]; then M=$TINY; TAG=tiny; SIZE=tiny; else M=$BIG; TAG=05b; SIZE=0.5b; fi
-                 phase "$p" 480 bash -c "[ \"\${ARTSG_TMS_READY:-0}\" = 1 ] || { echo 'torch_memory_saver is not installed: carry .whl-tms (tools/gpu/README.md)'; exit 3; }
+                 MB=${MEMSAVER_BUDGET_S:-420}
+                 phase "$p" $((MB + 60)) bash -c "[ \"\${ARTSG_TMS_READY:-0}\" = 1 ] || { echo 'torch_memory_saver is not installed: carry .whl-tms (tools/gpu/README.md)'; exit 3; }
                    [ -f $M/config.json ] || python3 -m artsg_nb.tiny_model $M --size $SIZE || exit 4
-                   python3 tools/gpu/memsaver.py --model $M --run-dir /tmp/runs/memsaver-$TAG --out $OUT/memsaver_$TAG.json --budget-s 420"
+                   python3 tools/gpu/memsaver.py --model $M --run-dir /tmp/runs/memsaver-$TAG --out $OUT/memsaver_$TAG.json --budget-s $MB"
                  grep -E '^(PASS|FAIL|SKIP) |^memsaver:' "$OUT/$p.log" | cut -c1-400 | sed 's/^/    /' ;;
     *) echo "unknown phase $p"; FAILS=$((FAILS + 1)) ;;
   esac

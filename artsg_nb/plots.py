@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +317,7 @@ def _axes(ax: Axes | None, title: str, ylabel: str) -> Axes:
         _, ax = plt.subplots(figsize=(5, 3.2), layout="constrained")
     ax.set_title(title)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # steps are whole: no "0.96, 0.98, ..."
     ax.set_ylabel(ylabel)
     return ax
 

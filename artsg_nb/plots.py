@@ -57,7 +57,10 @@ def plot_loss(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
 
 def plot_kl(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
     """KL to the reference (adapter-disabled) model per step; NaN when beta = 0."""
-    return _plot_line(df, "kl", _axes(ax, "KL", "kl"), color="tab:purple")
+    ax = _axes(ax, "KL", "kl")
+    if df is not None and len(df) and "kl" in df and not _has_data(_column(df, "kl")[1]):
+        return _no_data(ax, "no KL term (beta = 0)")  # the column is there, every value is null
+    return _plot_line(df, "kl", ax, color="tab:purple")
 
 
 def plot_is_ratio(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
@@ -343,8 +346,8 @@ def _plot_line(df: pd.DataFrame, column: str, ax: Axes, color: str) -> Axes:
     return ax
 
 
-def _no_data(ax: Axes) -> Axes:
-    ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
+def _no_data(ax: Axes, text: str = "no data") -> Axes:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center",
             color="gray")
     return ax
 

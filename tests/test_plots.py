@@ -43,8 +43,8 @@ def texts(ax):
 def test_panel_draws_data(plot):
     ax = plot(history_df())
     assert isinstance(ax, Axes)
-    if plot is plots.plot_kl:  # all-NaN column
-        assert texts(ax) == ["no data"]
+    if plot is plots.plot_kl:  # all-NaN column: the run had no KL term
+        assert texts(ax) == ["no KL term (beta = 0)"]
     else:
         assert ax.lines and "no data" not in texts(ax)
 
@@ -57,7 +57,8 @@ def test_panel_draws_data(plot):
 def test_panel_handles_empty_and_nan(plot, df):
     _, ax = plt.subplots()
     assert plot(df, ax=ax) is ax
-    assert texts(ax) == ["no data"]
+    kl_off = plot is plots.plot_kl and len(df) > 0
+    assert texts(ax) == ["no KL term (beta = 0)" if kl_off else "no data"]
 
 
 def test_bands_and_theoretical_line():

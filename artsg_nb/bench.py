@@ -134,11 +134,11 @@ async def engine_version(client) -> str:
     for path in ("/server_info", "/get_server_info", "/version"):
         try:
             resp = await client._client().get(path, timeout=10.0)
-            if resp.status_code == 200:
-                return str(resp.json().get("version", "unknown"))
+            if resp.status_code == 200 and (version := resp.json().get("version")):
+                return str(version)
         except Exception:  # an engine without that route: try the next
             continue
-    return "unknown"
+    return "unknown"  # vLLM's dev-mode /server_info has no "version": its /version answers
 
 
 def server_args(cfg: BenchConfig) -> tuple[str, ...]:

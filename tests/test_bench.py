@@ -60,3 +60,25 @@ def test_small_cpu_run(tmp_path):
     assert (df["reload_load_s"] > 0).all() and math.isclose(
         df["reload_s"].iloc[0], df[["reload_save_s", "reload_load_s", "reload_first_s"]].iloc[0].sum())
     assert "hit_rate_server" in summary_table(df)
+
+
+def test_engine_version_skips_a_server_info_without_version():
+    """vLLM in dev mode answers /server_info with its config (no "version"); /version has it."""
+    import httpx
+
+    from artsg_nb.bench import engine_version
+    from artsg_nb.client import run_sync
+
+    routes = {"/server_info": {"vllm_config": {"model": "m"}}, "/version": {"version": "0.26.0"}}
+
+    def handler(request):
+        body = routes.get(request.url.path)
+        return httpx.Response(200, json=body) if body else httpx.Response(404)
+
+    class Client:
+        def _client(self):
+            return httpx.AsyncClient(base_url="http://engine", transport=httpx.MockTransport(handler))
+
+    assert run_sync(engine_version(Client())) == "0.26.0"
+    routes.pop("/version")
+    assert run_sync(engine_version(Client())) == "unknown"

@@ -220,9 +220,9 @@ def plot_engine_comparison(bench_df: pd.DataFrame, axes: Sequence[Axes] | None =
     """
     own_figure = axes is None
     if own_figure:
-        fig = new_figure((16, 4.2))
+        fig = new_figure((16, 4.6))
         axes = fig.subplots(1, 4)
-        fig.subplots_adjust(left=0.05, right=0.98, bottom=0.14, top=0.8, wspace=0.3)
+        fig.subplots_adjust(left=0.05, right=0.98, bottom=0.22, top=0.82, wspace=0.3)
     if len(axes) != 4:
         raise ValueError(f"plot_engine_comparison draws 4 panels; got {len(axes)} axes")
     table = _bench_table(bench_df)
@@ -244,7 +244,7 @@ def _bench_table(bench_df: pd.DataFrame | None) -> pd.DataFrame:
     df = bench_df.copy()
     schedule = df["schedule"].astype(str) if "schedule" in df else pd.Series("", index=df.index)
     radix_off = df["radix"].map(_is_off) if "radix" in df else pd.Series(False, index=df.index)
-    df["group"] = schedule.where(~radix_off, schedule + "\nno radix")
+    df["group"] = schedule.where(~radix_off, schedule + ", no radix")
     metrics = [c for c in ("out_tok_s", "ttft_p50_s", "hit_rate_server", "hit_rate_requests",
                            "hit_rate_theoretical", "reload_s") if c in df]
     for column in metrics:
@@ -269,12 +269,24 @@ def _grouped_bars(table: pd.DataFrame, column: str, ax: Axes) -> dict:
         x = np.array([groups.index(g) for g in rows["group"]]) - 0.4 + width * (i + 0.5)
         bars = ax.bar(x, rows[column], width, label=engine,
                       color=ENGINE_COLORS.get(str(engine).lower()))
-        ax.bar_label(bars, fmt="%.3g", fontsize="x-small")
+        crowded = len(groups) * len(engines) > 8  # flat labels of neighbouring bars would collide
+        ax.bar_label(bars, labels=[_short(v) for v in rows[column]], fontsize="x-small",
+                     rotation=90 if crowded else 0, padding=2)
         placed.update({(g, engine): (xi, width) for g, xi in zip(rows["group"], x)})
     # Schedule names ("prefix_sync", "naive / no radix") overlap when set flat side by side.
-    ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize="small")
-    ax.margins(y=0.12)  # room for the value labels
+    ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", rotation_mode="anchor",
+                  fontsize="small")
+    ax.margins(y=0.2)  # room for the value labels
     return placed
+
+
+def _short(value: float) -> str:
+    """A bar's value in few characters: 11.2k, 0.874, 0.21."""
+    if not np.isfinite(value):
+        return ""
+    if abs(value) >= 1000:
+        return f"{value / 1000:.3g}k"
+    return f"{value:.3g}"
 
 
 def _bench_hit_rate(table: pd.DataFrame, ax: Axes) -> None:
@@ -295,7 +307,7 @@ def _bench_hit_rate(table: pd.DataFrame, ax: Axes) -> None:
                 ax.hlines(row.hit_rate_theoretical, x - width / 2, x + width / 2,
                           colors="black", linestyles="--", linewidth=1.5)
         ax.plot([], [], color="black", linestyle="--", label="theoretical")
-    ax.set_ylim(0, 1.1)
+    ax.set_ylim(0, 1.2)
 
 
 def _bench_legend(axes: Sequence[Axes], own_figure: bool) -> None:

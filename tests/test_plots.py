@@ -133,7 +133,7 @@ def test_plot_engine_comparison():
     throughput, _, hit, reload_ax = fig.axes
     assert len(throughput.patches) == 5  # 3 groups × sglang + 2 groups × vllm
     assert [t.get_text() for t in throughput.get_xticklabels()] == [
-        "prefix", "random", "prefix\nno radix"]
+        "prefix", "random", "prefix, no radix"]
     assert len(hit.collections) >= 5  # a dashed theoretical tick per bar
     assert len(reload_ax.patches) == 4  # the NaN reload is not drawn as a zero bar
 

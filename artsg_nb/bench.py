@@ -100,7 +100,7 @@ class BenchConfig:
     """Server logs and the adapters saved for the reload figure."""
     extra_args: tuple[str, ...] = ()
     """Extra server command-line arguments (e.g. the GPU bundle's --attention-backend triton);
-    empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as GRPORun does (server_args)."""
+    empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as GRPORun does (envs.server_args)."""
     out: str | None = None
     """CSV path; None: benchmarks/results/<date>-<engine>-<hardware>.csv."""
     flags: str = ""
@@ -139,11 +139,6 @@ async def engine_version(client) -> str:
         except Exception:  # an engine without that route: try the next
             continue
     return "unknown"  # vLLM's dev-mode /server_info has no "version": its /version answers
-
-
-def server_args(cfg: BenchConfig) -> tuple[str, ...]:
-    """cfg.extra_args, else $ARTSG_<ENGINE>_ARGS (what an offline GPU bundle needs)."""
-    return tuple(cfg.extra_args) or tuple(shlex.split(os.environ.get(f"ARTSG_{cfg.engine.upper()}_ARGS", "")))
 
 
 def default_model(engine: str) -> str:
@@ -313,6 +308,7 @@ def _finish(rows: list[dict]) -> pd.DataFrame:
 def run_bench(cfg: BenchConfig) -> pd.DataFrame:
     """Start the server per radix setting (or use cfg.server_url), run every schedule, save CSV."""
     from .client import make_client
+    from .envs import server_args
     from .server import ServerConfig, start_server
 
     bad = [s for s in cfg.schedules if s not in SCHEDULES]
@@ -326,7 +322,8 @@ def run_bench(cfg: BenchConfig) -> pd.DataFrame:
             rows += run_sync(_with_client(client, cfg, radix, model))
             continue
         server_cfg = ServerConfig(engine=cfg.engine, model_path=model, run_dir=cfg.run_dir,
-                                  disable_radix_cache=not radix, extra_args=server_args(cfg))
+                                  disable_radix_cache=not radix,
+                                  extra_args=server_args(cfg.engine, cfg.extra_args))
         with start_server(server_cfg) as server:
             rows += run_sync(_with_client(server.client(), cfg, radix, model))
     df = _finish(rows)

@@ -97,6 +97,12 @@ def find_server_env(engine: str, python: str | os.PathLike | None = None,
     raise ServerEnvNotFoundError(_not_found_message(engine, looked))
 
 
+def server_args(engine: str, explicit=()) -> tuple[str, ...]:
+    """Extra server flags: `explicit` when given, else $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS (e.g.
+    the attention/sampling backends an offline GPU bundle needs; tools/gpu/validate.sh sets them)."""
+    return tuple(explicit) or tuple(shlex.split(os.environ.get(f"ARTSG_{engine.upper()}_ARGS", "")))
+
+
 def server_extra_env(engine: str) -> dict[str, str]:
     """PYTHONPATH and variables from ARTSG_*_PYTHONPATH / ARTSG_*_ENV for the server process."""
     if engine == "cpu":

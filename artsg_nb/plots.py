@@ -58,8 +58,9 @@ def plot_loss(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
 def plot_kl(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
     """KL to the reference (adapter-disabled) model per step; NaN when beta = 0."""
     ax = _axes(ax, "KL", "kl")
-    if df is not None and len(df) and "kl" in df and not _has_data(_column(df, "kl")[1]):
-        return _no_data(ax, "no KL term (beta = 0)")  # the column is there, every value is null
+    _, kl = _column(df, "kl")
+    if len(kl) and not _has_data(kl):  # the column is there, every value is null
+        return _no_data(ax, "no KL term (beta = 0)")
     return _plot_line(df, "kl", ax, color="tab:purple")
 
 
@@ -263,13 +264,13 @@ def _grouped_bars(table: pd.DataFrame, column: str, ax: Axes) -> dict:
     groups = list(dict.fromkeys(table["group"]))
     engines = list(dict.fromkeys(table["engine"]))
     width = 0.8 / len(engines)
+    crowded = len(groups) * len(engines) > 8  # flat labels of neighbouring bars would collide
     placed = {}
     for i, engine in enumerate(engines):
         rows = table[(table["engine"] == engine) & table[column].notna()]
         x = np.array([groups.index(g) for g in rows["group"]]) - 0.4 + width * (i + 0.5)
         bars = ax.bar(x, rows[column], width, label=engine,
                       color=ENGINE_COLORS.get(str(engine).lower()))
-        crowded = len(groups) * len(engines) > 8  # flat labels of neighbouring bars would collide
         ax.bar_label(bars, labels=[_short(v) for v in rows[column]], fontsize="x-small",
                      rotation=90 if crowded else 0, padding=2)
         placed.update({(g, engine): (xi, width) for g, xi in zip(rows["group"], x)})

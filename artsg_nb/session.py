@@ -20,11 +20,8 @@ LoRA weights (see grpo.py for the exact loss).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import random
-import shlex
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -203,11 +200,12 @@ class GRPORun:
 
     # ---- internals -----------------------------------------------------------------------------
     def _start_server(self, engine: str, model_path: str):
+        from .envs import server_args
         from .server import ServerConfig, start_server
 
         cfg = self.cfg
         mem = getattr(self.plan, "server_mem_fraction", None)
-        extra = tuple(cfg.server_args) or tuple(shlex.split(os.environ.get(f"ARTSG_{engine.upper()}_ARGS", "")))
+        extra = server_args(engine, cfg.server_args)
         scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
                             api_key=cfg.api_key, extra_args=extra, enable_memory_saver=self.release,

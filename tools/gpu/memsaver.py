@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -140,9 +139,10 @@ def preflight(rec: Recorder) -> None:
 
 
 def make_cfg(a, run_dir: str, release: bool, weights_backup: bool):
+    from artsg_nb.envs import server_args
     from artsg_nb.session import RunConfig
 
-    args = tuple(shlex.split(os.environ.get(f"ARTSG_{a.engine.upper()}_ARGS", "")))
+    args = server_args(a.engine)
     args += ("--enable-weights-cpu-backup",) if weights_backup else ()
     return RunConfig(task="addition", engine=a.engine, model_path=a.model, run_dir=run_dir, group_size=8,
                      groups_per_step=8, release_memory=release, server_args=args, max_restarts=0, seed=1)

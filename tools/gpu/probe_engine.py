@@ -12,8 +12,6 @@ Extra server flags come from ARTSG_SGLANG_ARGS / ARTSG_VLLM_ARGS.
 import argparse
 import asyncio
 import json
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -118,10 +116,11 @@ def main():
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    from artsg_nb.envs import server_args
     from artsg_nb.server import ServerConfig, start_server
 
     results = {"engine": a.engine, "model": a.model}
-    extra = tuple(shlex.split(os.environ.get(f"ARTSG_{a.engine.upper()}_ARGS", "")))
+    extra = server_args(a.engine)
     adir = Path(a.run_dir) / "probe-adapters"
     adapters = {"a": make_adapter(a.model, adir / "a", seed=1), "b": make_adapter(a.model, adir / "b", seed=2)}
     t0 = time.perf_counter()

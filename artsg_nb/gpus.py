@@ -165,13 +165,14 @@ def _visible(gpus: list[GpuInfo], spec: str | None) -> list[GpuInfo]:
 
 def plan_gpus(gpus: Sequence[GpuInfo] | None = None, server_mem_fraction: float | None = None,
               prefer: Literal["auto", "split", "colocated", "cpu"] = "auto",
-              release_server_memory: bool | None = None) -> GpuPlan:
+              release_server_memory: bool = False) -> GpuPlan:
     """Plan roles for `gpus` (default: `list_gpus()`).
 
     prefer: "auto" picks by count (0 → cpu, 1 → colocated, 2+ → split); "colocated" shares
     GPU 0 even when there are more; "split" needs 2+ GPUs; "cpu" ignores the GPUs.
     server_mem_fraction: the server's share of its GPU; default 0.45 colocated, else engine default.
-    release_server_memory: default True when colocated.
+    release_server_memory: what the plan shows for memory release; off by default, as
+    RunConfig.release_memory is (GRPORun sets it from that setting).
     """
     gpus = tuple(list_gpus() if gpus is None else gpus)
     if prefer not in ("auto", *_MODES):
@@ -190,8 +191,7 @@ def plan_gpus(gpus: Sequence[GpuInfo] | None = None, server_mem_fraction: float 
     first = gpus[0].index
     if mode == "colocated":
         return GpuPlan("colocated", (first,), (first,),
-                       server_mem_fraction or COLOCATED_MEM_FRACTION,
-                       True if release_server_memory is None else release_server_memory, gpus)
+                       server_mem_fraction or COLOCATED_MEM_FRACTION, release_server_memory, gpus)
     return GpuPlan("split", (first,), tuple(g.index for g in gpus[1:]), server_mem_fraction,
                    bool(release_server_memory), gpus)
 

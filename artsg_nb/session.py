@@ -87,9 +87,12 @@ class RunConfig:
     release_s + resume_s per step; the prefix cache it flushes is per adapter anyway, so no hits
     are lost. Measured on one H200 (SGLang 0.5.14, memory fraction 0.45): 0.047 s + 0.011 s per
     step, GPU memory in use as training starts 72.8 → 8.2 GiB, greedy outputs unchanged
-    (benchmarks/results/20261203-h200-sglang-memsaver-tiny.json). Off by default because the
-    saver's effect on generation speed without it was not measured; "auto" is the setting to
-    try when the trainer runs short of memory on one GPU."""
+    (benchmarks/results/20261203-h200-sglang-memsaver-tiny.json). Off by default: it needs
+    torch_memory_saver beside the server and buys nothing while the trainer fits; a server
+    without the saver measured no faster (tiny model, 8x8, 3 steps each: median step 0.43 s
+    without the saver, 0.51 s with it, 0.58 s releasing; fastest 0.42 / 0.40 / 0.45 s; rollout
+    0.29-0.31 s in all three). "auto" is the setting to try when the trainer runs short of
+    memory on one GPU."""
     release_tags: tuple[str, ...] = ("kv_cache", "cuda_graph")
     """What to release (client_memory.MEMORY_TAGS). With "weights" the server also keeps a host
     copy of the base weights (--enable-weights-cpu-backup); without one they would be lost."""

@@ -38,7 +38,10 @@ def test_no_gpu_is_cpu():
 def test_one_gpu_is_colocated():
     plan = plan_gpus(h200s(1))
     assert (plan.mode, plan.server_gpus, plan.trainer_gpus) == ("colocated", (0,), (0,))
-    assert plan.server_mem_fraction == 0.45 and plan.release_server_memory
+    assert plan.server_mem_fraction == 0.45
+    assert not plan.release_server_memory  # RunConfig.release_memory is off by default too
+    assert "released" not in plan.describe()
+    assert "released around training" in plan_gpus(h200s(1), release_server_memory=True).describe()
     assert plan.trainer_devices == ["cuda:0"]
     assert plan.server_env() == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 

@@ -58,8 +58,11 @@ def plot_loss(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
 def plot_kl(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
     """KL to the reference (adapter-disabled) model per step; NaN when beta = 0."""
     ax = _axes(ax, "KL", "kl")
-    _, kl = _column(df, "kl")
+    step, kl = _column(df, "kl")
     if len(kl) and not _has_data(kl):  # the column is there, every value is null
+        pad = max(step.max() - step.min(), 1) * 0.05  # the same steps as the panels beside it
+        ax.set_xlim(step.min() - pad, step.max() + pad)
+        ax.set_yticks([])
         return _no_data(ax, "no KL term (beta = 0)")
     return _plot_line(df, "kl", ax, color="tab:purple")
 

@@ -45,6 +45,8 @@ def test_panel_draws_data(plot):
     assert isinstance(ax, Axes)
     if plot is plots.plot_kl:  # all-NaN column: the run had no KL term
         assert texts(ax) == ["no KL term (beta = 0)"]
+        lo, hi = ax.get_xlim()  # on the steps' axis like the panels beside it, not 0..1
+        assert lo <= history_df()["step"].min() and hi >= history_df()["step"].max() > 1
     else:
         assert ax.lines and "no data" not in texts(ax)
 

@@ -462,7 +462,7 @@ def test_unload_waits_for_in_flight_requests(engine, adapters):
     proc, http = engine
     r = http.post("/load_lora_adapter", json={"lora_name": "busy", "lora_path": str(adapters["b"])})
     assert r.status_code == 200
-    first_token, finished_at = threading.Event(), []
+    first_token, chunks, done = threading.Event(), [], []
 
     def stream():
         with httpx.stream("POST", proc.url + "/generate", timeout=60, json={
@@ -471,16 +471,20 @@ def test_unload_waits_for_in_flight_requests(engine, adapters):
             for line in r.iter_lines():
                 first_token.set()
                 if line == "data: [DONE]":
-                    finished_at.append(time.monotonic())
+                    done.append(True)
+                elif line.startswith("data: "):
+                    chunks.append(json.loads(line[len("data: "):]))
 
     worker = threading.Thread(target=stream)
     worker.start()
     assert first_token.wait(30)
     r = http.post("/unload_lora_adapter", json={"lora_name": "busy"})
-    unloaded_at = time.monotonic()
+    # Asked of the server the moment unload answers (client-side timestamps of two threads race):
+    running = http.get("/server_info").json()["internal_states"][0]["num_running_reqs"]
     worker.join(30)
     assert r.status_code == 200 and "busy" not in r.json()["loaded_adapters"]
-    assert finished_at and finished_at[0] <= unloaded_at
+    assert running == 0, "unload answered while the request using the adapter was still running"
+    assert done and chunks[-1]["meta_info"]["completion_tokens"] == 40  # finished, not cut off
 
 
 # ---- cache control and metrics -------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -407,11 +407,26 @@ def test_engine_failures_are_recorded(cpu_engine):
     assert all(e and "no-such-adapter" in e for e in errors) and groups[0].valid == []
 
 
+class _NeverDone:
+    """guess_number's prompt, but no reply ends the episode (a right first guess would, 1 in 9)."""
+
+    def __init__(self, seed: int):
+        from artsg_nb.tasks import get_task
+        self.prompt = get_task("guess_number").make_env(seed).reset()
+
+    def reset(self):
+        return self.prompt
+
+    def step(self, reply: str):
+        from artsg_nb.tasks import StepResult
+        return StepResult(messages=[{"role": "user", "content": "Again."}], reward=None, done=False)
+
+
 def test_engine_truncation(cpu_engine):
     from artsg_nb.tasks import get_task
 
     server, tok = cpu_engine
-    task = get_task("guess_number")
+    task = replace(get_task("guess_number"), factory=_NeverDone)
     prompt_len = len(render_ids(tok, task.make_env(0).reset(), add_generation_prompt=True))
     budget = prompt_len + 12
     groups = _collect(server, task, tok, [0], 2, _params(task, ignore_eos=True), max_seq_tokens=budget)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,18 +20,9 @@ from artsg_nb.client import (AdapterExistsError, AdapterRankError, EngineError, 
                              ServerUnavailableError, SGLangClient, UnknownAdapterError, make_client,
                              merge_stream_chunk, run_sync)
 from artsg_nb.client_vllm import VLLMClient
+from sglang_fixtures import fixture
 
-
-from sglang_fixtures import fixtures_dir as _fixtures_dir  # noqa: E402
-
-
-FIXTURES = _fixtures_dir()
 SERVED = "/models/base"  # the recorded server's served model name
-
-
-def fixture(name: str) -> dict:
-    """{"status": int, "body": ...} as recorded."""
-    return json.loads((FIXTURES / name).read_text())
 
 
 class FakeServer:
@@ -290,7 +279,7 @@ def test_flush_cache_plain_text_and_refusal():
 
 
 def test_health_metrics_models_and_server_info():
-    metrics = (FIXTURES / "metrics.txt").read_text()
+    metrics = fixture("metrics.txt")
     client, _ = sglang({("GET", "/health"): recorded("health.json"), ("GET", "/metrics"): (200, metrics),
                         ("GET", "/v1/models"): recorded("v1_models.json"),
                         ("GET", "/get_server_info"): recorded("get_server_info.json")})

@@ -25,20 +25,11 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
+from sglang_fixtures import fixture
 
-SHARED = Path(os.environ.get("ARTSG_SHARED") or Path(__file__).resolve().parents[1] / ".." / "shared")
-FIXTURES = SHARED / "fixtures" / "sglang-0.5.14"
 ALLOWED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MAX_RANK = 8
 PROMPT = [5, 17, 33, 101, 250, 7, 9, 64, 300, 12, 45, 88]
-
-
-def fixture(name: str):
-    path = FIXTURES / name
-    if not path.exists():
-        raise FileNotFoundError(f"SGLang fixture {path} not found: set ARTSG_SHARED to the shared/ directory "
-                                "(CI checks it out beside the repo as ../shared)")
-    return path.read_text() if name.endswith(".txt") else json.loads(path.read_text())
 
 
 # ---- model and adapters --------------------------------------------------------------------

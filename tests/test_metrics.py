@@ -3,19 +3,11 @@ windowed hit-rate arithmetic on hand-worked numbers."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from artsg_nb.metrics import (CacheCounters, HitRateTracker, MetricsError, cache_counters,
                               cumulative_hit_rate, hit_rate, parse_metrics)
-
-
-from sglang_fixtures import fixtures_dir as _fixtures_dir  # noqa: E402
-
-
-SGLANG_METRICS = (_fixtures_dir() / "metrics.txt").read_text()
+from sglang_fixtures import fixture
 
 # vLLM exposition: counters declared without _total, samples with it; labels model_name, engine.
 VLLM_METRICS = """\
@@ -37,15 +29,15 @@ vllm:kv_cache_usage_perc{engine="0",model_name="base"} 0.25
 
 
 def test_sglang_fixture_hit_rate_is_35_of_177():
-    counters = cache_counters(SGLANG_METRICS, "sglang")
+    counters = cache_counters(fixture("metrics.txt"), "sglang")
     assert counters == CacheCounters(prompt_tokens=177.0, cached_tokens=35.0)
     assert cumulative_hit_rate(counters) == pytest.approx(35 / 177)
-    assert cache_counters(SGLANG_METRICS, "cpu") == counters  # the CPU engine uses SGLang's names
+    assert cache_counters(fixture("metrics.txt"), "cpu") == counters  # the CPU engine uses SGLang's names
 
 
 def test_sglang_gauge_is_not_the_cumulative_rate():
     # The recorded gauge reads 0.0 (last prefill batch) while the counters say 35/177.
-    assert parse_metrics(SGLANG_METRICS)["sglang:cache_hit_rate"] == 0.0
+    assert parse_metrics(fixture("metrics.txt"))["sglang:cache_hit_rate"] == 0.0
 
 
 def test_parse_metrics_sums_over_labels_and_keeps_total_suffix():
@@ -82,9 +74,9 @@ def test_counters_absent_before_first_request_read_as_zero():
 
 def test_wrong_engine_text_is_an_error():
     with pytest.raises(MetricsError, match="no vllm:"):
-        cache_counters(SGLANG_METRICS, "vllm")
+        cache_counters(fixture("metrics.txt"), "vllm")
     with pytest.raises(ValueError, match="unknown engine"):
-        cache_counters(SGLANG_METRICS, "tgi")
+        cache_counters(fixture("metrics.txt"), "tgi")
 
 
 @pytest.mark.parametrize("before, after, expected", [
@@ -114,5 +106,5 @@ def test_tracker_windows_trend_and_cumulative():
 
 def test_tracker_reads_metrics_text():
     tracker = HitRateTracker(engine="sglang")
-    tracker.add_sample(SGLANG_METRICS)
+    tracker.add_sample(fixture("metrics.txt"))
     assert tracker.cumulative() == pytest.approx(35 / 177) and tracker.last_window() is None

@@ -9,8 +9,7 @@
 #   models      tiny (CI's, pretrained) and 0.5b (Qwen2.5-0.5B's shape) via python -m artsg_nb.tiny_model
 #   probe-tiny  tools/gpu/probe_engine.py on the tiny model with real SGLang (served? adapters? cache?)
 #   probe-05b   the same on the 0.5b model
-#   tests       pytest -m "gpu or sglang" with ARTSG_TEST_ENGINES=sglang on the two files that hold
-#               such tests (the others read ../shared/fixtures at collection; ../shared does not travel)
+#   tests       pytest -m "gpu or sglang" with ARTSG_TEST_ENGINES=sglang (engine integration tests)
 #   train       python -m artsg_nb.train on SGLang, colocated on this GPU, a few steps
 #   notebook    the quickstart executed headless against SGLang (python -m artsg_nb.demo)
 #   bench       python -m artsg_nb.bench on SGLang: schedules x radix on/off + reload latency
@@ -50,7 +49,7 @@ for p in "$@"; do
     models)      phase models 240 bash -c "python3 -m artsg_nb.tiny_model $TINY && python3 -m artsg_nb.tiny_model $BIG --size 0.5b" ;;
     probe-tiny)  phase probe-tiny 300 python3 tools/gpu/probe_engine.py --engine sglang --model $TINY --run-dir /tmp/probe-tiny --out "$OUT/probe_tiny.json" ;;
     probe-05b)   phase probe-05b 300 python3 tools/gpu/probe_engine.py --engine sglang --model $BIG --run-dir /tmp/probe-05b --out "$OUT/probe_05b.json" ;;
-    tests)       phase tests 400 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q -m "gpu or sglang" tests/test_engine_integration.py tests/test_server.py ;;
+    tests)       phase tests 400 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q -m "gpu or sglang" tests ;;
     train)       phase train 400 python3 -m artsg_nb.train --engine sglang --model $TINY --steps ${TRAIN_STEPS:-5} --run-dir /tmp/runs/train-sglang ;;
     notebook)    phase notebook 500 python3 -m artsg_nb.demo --run-dir /tmp/runs/demo-sglang ;;
     bench|bench-vllm)

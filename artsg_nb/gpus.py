@@ -193,7 +193,7 @@ def plan_gpus(gpus: Sequence[GpuInfo] | None = None, server_mem_fraction: float 
         return GpuPlan("colocated", (first,), (first,),
                        server_mem_fraction or COLOCATED_MEM_FRACTION, release_server_memory, gpus)
     return GpuPlan("split", (first,), tuple(g.index for g in gpus[1:]), server_mem_fraction,
-                   bool(release_server_memory), gpus)
+                   release_server_memory, gpus)
 
 
 def require_gpu(gpus: Sequence[GpuInfo] | None = None) -> list[GpuInfo]:

@@ -85,14 +85,10 @@ class RunConfig:
     or "auto": on when server and trainer share one GPU (colocated plan), off on CPU and on
     split GPUs. SGLang needs torch_memory_saver in its environment (sglang pins it). Costs
     release_s + resume_s per step; the prefix cache it flushes is per adapter anyway, so no hits
-    are lost. Measured on one H200 (SGLang 0.5.14, memory fraction 0.45): 0.047 s + 0.011 s per
-    step, GPU memory in use as training starts 72.8 → 8.2 GiB, greedy outputs unchanged
-    (benchmarks/results/20261203-h200-sglang-memsaver-tiny.json). Off by default: it needs
-    torch_memory_saver beside the server and buys nothing while the trainer fits; a server
-    without the saver measured no faster (tiny model, 8x8, 3 steps each: median step 0.43 s
-    without the saver, 0.51 s with it, 0.58 s releasing; fastest 0.42 / 0.40 / 0.45 s; rollout
-    0.29-0.31 s in all three). "auto" is the setting to try when the trainer runs short of
-    memory on one GPU."""
+    are lost. Off by default: it buys nothing while the trainer fits beside the server; "auto" is
+    the setting to try when the trainer runs short of memory on one GPU. Measured on one H200
+    (GPU memory in use as training starts 72.8 → 8.2 GiB, step times with and without the
+    saver): README "Results" and benchmarks/results/20261203-h200-gpu-tests.md."""
     release_tags: tuple[str, ...] = ("kv_cache", "cuda_graph")
     """What to release (client_memory.MEMORY_TAGS). With "weights" the server also keeps a host
     copy of the base weights (--enable-weights-cpu-backup); without one they would be lost."""

@@ -1,21 +1,18 @@
-"""Where the responses recorded from a real SGLang 0.5.14 server live (../shared in CI).
+"""The responses recorded from a real SGLang 0.5.14 server, carried in tests/fixtures/.
 
-Read when a test runs, never at import: a host without ../shared (the H200, which gets only the
-checkout) still collects every module, and `-m "gpu or sglang"` picks its tests from all of them."""
+How they were recorded: tests/fixtures/sglang-0.5.14/README.md. Read when a test runs, never at
+import, so a test module that uses one still collects if a file is missing."""
 import functools
 import json
-import os
 from pathlib import Path
 
 
 @functools.cache
 def fixtures_dir() -> Path:
-    shared = Path(os.environ.get("ARTSG_SHARED") or Path(__file__).resolve().parents[1] / ".." / "shared")
-    path = shared / "fixtures" / "sglang-0.5.14"
+    path = Path(__file__).resolve().parent / "fixtures" / "sglang-0.5.14"
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"SGLang fixtures not found at {path}: set ARTSG_SHARED to the shared/ directory "
-            "(CI checks it out beside the repo as ../shared)")
+        raise FileNotFoundError(f"SGLang fixtures not found at {path}: they are part of the repository "
+                                "(git checkout tests/fixtures)")
     return path
 
 

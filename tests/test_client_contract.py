@@ -1,5 +1,5 @@
 """Contract tests of client.py's parsing, against bodies recorded from a real SGLang 0.5.14
-(../shared/fixtures/sglang-0.5.14/) and vLLM shapes from the serving-API reference.
+(tests/fixtures/sglang-0.5.14/) and vLLM shapes from the serving-API reference.
 
 A fake transport (httpx.MockTransport) answers with those bodies and records what the client
 sent, so the checks cover both directions: the request each dialect builds (adapter selection

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import papermill
+
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_quickstart.ipynb"
 
 
@@ -21,7 +23,6 @@ def main(argv=None) -> int:
     p.add_argument("--notebook", default=str(NOTEBOOK))
     p.add_argument("--cell-timeout-s", type=int, default=1800)
     a = p.parse_args(argv)
-    import papermill
 
     run_dir = Path(a.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
+import pynvml  # nvidia-ml-py: loads libnvidia-ml only at nvmlInit, so it imports anywhere
+
 log = logging.getLogger(__name__)
 
 Mode = Literal["split", "colocated", "cpu"]
@@ -124,7 +126,6 @@ def list_gpus() -> list[GpuInfo]:
     """The GPUs this process may use, by physical index; [] (never an error) without a driver."""
     global _last_nvml_error
     try:
-        import pynvml
         pynvml.nvmlInit()
     except Exception as e:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded, ...
         _last_nvml_error = f"{type(e).__name__}: {e}"

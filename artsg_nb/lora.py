@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engines import UnknownAdapterError
+
 log = logging.getLogger(__name__)
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -140,8 +142,6 @@ class AdapterPublisher:
             await self.publish(versions[-1])
 
     async def _unload(self, name: str) -> None:
-        from .client import UnknownAdapterError
-
         try:
             await self.client.unload_adapter(name)
         except UnknownAdapterError:

@@ -11,7 +11,9 @@ values, and read the token counters the hit rate comes from:
 `hit_rate(before, after)` is the rate over a window (two scrapes); `HitRateTracker` keeps
 timestamped scrapes for the dashboard's trend and the per-step numbers.
 
-What it does not do: scrape (client.metrics_text does) or use the `sglang:cache_hit_rate` gauge:
+The counter names are each engine's (engines.get(name).prompt_counters / cached_counters).
+
+What it does not do: scrape (EngineClient.metrics_text does) or use the `sglang:cache_hit_rate` gauge:
 that gauge covers only the most recent prefill batch, so it is never a cumulative or windowed
 rate. Counters are the only sound source.
 """
@@ -24,16 +26,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# (prompt-token counters, cached-token counters), first name present wins. Keys are *sample*
-# names: the parser strips `_total` from a declared counter's family name but not its samples'.
-_COUNTERS = {
-    "sglang": (("sglang:prompt_tokens_total",), ("sglang:cached_tokens_total",)),
-    "vllm": (("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total",
-              "vllm:gpu_prefix_cache_queries"),
-             ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits")),
-}
-_PREFIX = {"sglang": "sglang:", "vllm": "vllm:"}
-
+from . import engines
 
 class MetricsError(ValueError):
     """The /metrics text holds none of the engine's metrics."""
@@ -64,17 +57,16 @@ class CacheCounters:
 
 def cache_counters(text: str, engine: str) -> CacheCounters:
     """Read the hit-rate counters of `engine` ("sglang", "cpu" or "vllm") from /metrics text."""
-    family = "sglang" if engine in ("sglang", "cpu") else engine
-    if family not in _COUNTERS:
-        raise ValueError(f"unknown engine {engine!r}: expected 'sglang', 'cpu' or 'vllm'")
+    spec = engines.get(engine)
     values = parse_metrics(text)
-    if not any(name.startswith(_PREFIX[family]) for name in values):
+    if not any(name.startswith(spec.metric_prefix) for name in values):
         raise MetricsError(
-            f"no {_PREFIX[family]}* metric in the /metrics text: is this a {engine} server, and was it "
+            f"no {spec.metric_prefix}* metric in the /metrics text: is this a {engine} server, and was it "
             "started with metrics on (SGLang: --enable-metrics; vLLM: without --disable-log-stats)?")
-    prompt_names, cached_names = _COUNTERS[family]
-    # A labelled counter appears only after its first increment, so absent means 0 so far.
-    return CacheCounters(prompt_tokens=_first(values, prompt_names), cached_tokens=_first(values, cached_names))
+    # A labelled counter appears only after its first increment, so absent means 0 so far. Names
+    # are *sample* names: the parser strips `_total` from a counter's family name, not its samples'.
+    return CacheCounters(prompt_tokens=_first(values, spec.prompt_counters),
+                         cached_tokens=_first(values, spec.cached_counters))
 
 
 def _first(values: dict[str, float], names: tuple[str, ...]) -> float:

@@ -27,7 +27,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+import IPython.display
 from matplotlib.ticker import MaxNLocator
+
+from . import widgets
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +156,10 @@ class LivePlot:
 
     def __init__(self, path: str | Path | None = None,
                  theoretical_hit_rate: float | None = None, dpi: int = 100):
-        from artsg_nb.widgets import in_jupyter  # one definition of "in a notebook"
-
         self.theoretical_hit_rate = theoretical_hit_rate
         self.dpi = dpi
         self.fig = new_figure(TRAINING_FIGSIZE)
-        self.notebook = in_jupyter()
+        self.notebook = widgets.in_jupyter()  # one definition of "in a notebook"
         self.path = Path(path) if path is not None else (None if self.notebook else
                                                          Path("training.png"))
         self._handle = None
@@ -180,11 +181,9 @@ class LivePlot:
     def _publish(self) -> None:
         # PNG bytes rather than the Figure itself: the same image/png output whatever
         # matplotlib backend the kernel uses (inline, widget, or none).
-        from IPython.display import Image, display
-
-        image = Image(data=figure_png(self.fig, self.dpi))
+        image = IPython.display.Image(data=figure_png(self.fig, self.dpi))
         if self._handle is None:
-            self._handle = display(image, display_id=True)
+            self._handle = IPython.display.display(image, display_id=True)
         else:
             self._handle.update(image)
 

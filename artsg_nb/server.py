@@ -1,7 +1,7 @@
 """Start, watch and stop the inference server — SGLang, vLLM or the CPU engine — from the kernel.
 
 What it does: `start_server(ServerConfig(...))` launches the engine with its own environment's
-interpreter (envs.py) as a subprocess of the notebook kernel, in its own process group, bound
+interpreter (server_env.py) as a subprocess of the notebook kernel, in its own process group, bound
 to 127.0.0.1 on a free port, output to `<run_dir>/<engine>.log`; it polls GET /health (with a
 tqdm bar) while watching the process, and raises with the log tail when start-up fails. A
 re-run cell with the same config gets the same live server back; a changed config replaces it.
@@ -9,7 +9,7 @@ Each server is recorded on disk (procs.py) so a later kernel can stop the orphan
 servers this process started are stopped at exit. `build_command` / `build_env` are pure, so
 the engines' command lines are unit-tested without launching anything.
 
-What it does not: talk the engines' APIs (client.py, via `Server.client()`), including the
+What it does not: talk the engines' APIs (engines/, via `Server.client()`), including the
 memory release/resume around training in colocated mode (`client.release_memory`, which needs the
 server started with `enable_memory_saver=True`) — those are client calls.
 """
@@ -27,21 +27,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Mapping
 
-from . import procs
-from .envs import ServerEnv, child_env, find_server_env
+import httpx
+from tqdm.auto import tqdm
+
+from . import engines, procs
+from .engines import ENGINES, EngineClient
 from .procs import reap_orphans  # noqa: F401  (public here too)
+from .server_env import ServerEnv, child_env, find_server_env
 
 if TYPE_CHECKING:
     from .gpus import GpuPlan
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("sglang", "vllm", "cpu")
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The only --max-lora-rank values vLLM accepts."""
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_ENTRY = {"sglang": "sglang.launch_server", "vllm": "vllm.entrypoints.openai.api_server",
-          "cpu": "artsg_nb.cpu_engine"}
 # Words in the log tail of a failed start → what to try. The first one means the port was taken.
 _HINTS = [
     (("address already in use", "errno 98", "eaddrinuse"),
@@ -94,7 +93,7 @@ class ServerConfig:
     port: int | None = None
     """TCP port; None picks a free one. A given port that is busy raises PortInUseError."""
     python: str | None = None
-    """Interpreter of the server environment; None: found by envs.find_server_env."""
+    """Interpreter of the server environment; None: found by server_env.find_server_env."""
     max_lora_rank: int = 16
     """Largest LoRA rank the server accepts (vLLM: one of 1, 8, 16, 32, 64, 128, 256, 320, 512)."""
     lora_target_modules: tuple[str, ...] = TARGET_MODULES
@@ -137,27 +136,24 @@ class ServerConfig:
             raise ValueError(f"engine={self.engine!r}; use one of {', '.join(ENGINES)}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} must be ≥ 1")
-        if self.engine == "vllm" and self.max_lora_rank not in VLLM_LORA_RANKS:
-            ok = min(r for r in VLLM_LORA_RANKS if r >= self.max_lora_rank) if self.max_lora_rank <= 512 else 512
-            raise ValueError(f"vLLM accepts max_lora_rank only in {VLLM_LORA_RANKS}, got "
-                             f"{self.max_lora_rank}; use {ok} (adapters of smaller rank still load)")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"mem_fraction={self.mem_fraction} must be in (0, 1)")
         if self.port is not None and not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} is not a TCP port")
-        if self.engine == "sglang" and (self.port or 0) > 55535 and "SGLANG_GRPC_PORT" not in self.env:
-            raise ValueError(f"port={self.port}: SGLang derives a gRPC port = port + 10000, which "
-                             "must stay ≤ 65535; use a port ≤ 55535 (or None for a free one)")
+        self.spec.validate(self)
+
+    @property
+    def spec(self) -> engines.EngineSpec:
+        """The engine's launch, environment and metrics facts (engines.get)."""
+        return engines.get(self.engine)
 
     @property
     def timeout_s(self) -> float:
-        if self.startup_timeout_s is not None:
-            return self.startup_timeout_s
-        return 120.0 if self.engine == "cpu" else 600.0
+        return self.startup_timeout_s if self.startup_timeout_s is not None else self.spec.startup_timeout_s
 
     def resolved_mem_fraction(self) -> float | None:
         """mem_fraction, else the GPU plan's; None for the CPU engine."""
-        if self.engine == "cpu":
+        if "mem_fraction" in self.spec.ignored_options:  # the CPU engine
             return None
         if self.mem_fraction is not None:
             return self.mem_fraction
@@ -166,59 +162,18 @@ class ServerConfig:
 
 def build_command(cfg: ServerConfig, python: str | None = None, port: int | None = None) -> list[str]:
     """The server's command line. `python`/`port` default to the config's (port must be set)."""
-    python = python or cfg.python or (sys.executable if cfg.engine == "cpu" else "python")
+    python = python or cfg.python or (sys.executable if cfg.spec.python_var is None else "python")
     port = port or cfg.port
     if port is None:
         raise ValueError("build_command needs a port: set cfg.port or pass port=")
     if cfg._command_override:
         return [a.format(python=python, host=cfg.host, port=port) for a in cfg._command_override]
-    args = {"sglang": _sglang_args, "vllm": _vllm_args, "cpu": _cpu_args}[cfg.engine](cfg, port)
-    return [python, "-m", _ENTRY[cfg.engine], *args, *cfg.extra_args]
-
-
-def _sglang_args(cfg: ServerConfig, port: int) -> list[str]:
-    args = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
-            "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
-            "--lora-target-modules", *cfg.lora_target_modules,
-            "--max-loras-per-batch", str(cfg.max_loras_per_batch),
-            "--enable-metrics", "--enable-cache-report"]
-    if (mem := cfg.resolved_mem_fraction()) is not None:
-        args += ["--mem-fraction-static", f"{mem:g}"]
-    args += ["--api-key", cfg.api_key] if cfg.api_key else []
-    args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
-    args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
-    args += ["--schedule-policy", cfg.schedule_policy] if cfg.schedule_policy else []
-    return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
-
-
-def _vllm_args(cfg: ServerConfig, port: int) -> list[str]:
-    args = ["--model", cfg.model_path, "--host", cfg.host, "--port", str(port),
-            "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
-            "--max-loras", str(cfg.max_loras_per_batch),
-            "--no-enable-prefix-caching" if cfg.disable_radix_cache else "--enable-prefix-caching",
-            "--logprobs-mode", "processed_logprobs",  # post-temperature, like SGLang (fact 4)
-            "--enable-prompt-tokens-details"]         # cached_tokens in usage
-    if (mem := cfg.resolved_mem_fraction()) is not None:
-        args += ["--gpu-memory-utilization", f"{mem:g}"]
-    args += ["--enable-sleep-mode"] if cfg.enable_memory_saver else []
-    return args + (["--api-key", cfg.api_key] if cfg.api_key else [])
-
-
-def _cpu_args(cfg: ServerConfig, port: int) -> list[str]:
-    args = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
-            "--max-lora-rank", str(cfg.max_lora_rank),
-            "--lora-target-modules", *cfg.lora_target_modules, "--enable-cache-report"]
-    args += ["--api-key", cfg.api_key] if cfg.api_key else []
-    args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
-    args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
-    return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
+    return [python, "-m", cfg.spec.entry, *cfg.spec.launch_args(cfg, port), *cfg.extra_args]
 
 
 def _ignored_options(cfg: ServerConfig) -> list[str]:
     """Options the engine has no flag for (logged, not fatal: they only tune performance)."""
-    ignored = {"vllm": ["schedule_policy"],
-               "cpu": ["schedule_policy", "mem_fraction"]}.get(cfg.engine, [])
-    return [name for name in ignored if getattr(cfg, name)]
+    return [name for name in cfg.spec.ignored_options if getattr(cfg, name)]
 
 
 def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -227,9 +182,7 @@ def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None) -> 
     env = {"PYTHONUNBUFFERED": "1"}  # the log tail shows the latest lines, not a stale buffer
     if cfg.gpu_plan is not None:
         env.update(cfg.gpu_plan.server_env())
-    if cfg.engine == "vllm":
-        env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",  # /v1/load_lora_adapter exists only with it
-                   VLLM_SERVER_DEV_MODE="1")              # /reset_prefix_cache, /sleep, /wake_up
+    env.update(cfg.spec.server_env)
     env.update(extra_env or {})
     env.update(cfg.env)
     return env
@@ -318,10 +271,9 @@ class Server:
         self.stop()
         return self.start()
 
-    def client(self):
-        """An async client for this engine (client.make_client)."""
-        from .client import make_client
-        return make_client(self.config.engine, self.url, self.config.model_path, api_key=self.config.api_key)
+    def client(self) -> EngineClient:
+        """An async client for this engine (engines.make_client)."""
+        return engines.make_client(self.config.engine, self.url, self.config.model_path, api_key=self.config.api_key)
 
     def log_tail(self, n: int = 20) -> str:
         """The last `n` lines this start wrote to the log."""
@@ -375,9 +327,6 @@ class Server:
                  self.server_env.version, self.proc.pid, self.url, self.log_path)
 
     def _wait_ready(self) -> None:
-        import httpx
-        from tqdm.auto import tqdm
-
         cfg, t0 = self.config, time.monotonic()
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         bar = tqdm(total=round(cfg.timeout_s), desc=f"{cfg.engine} starting on {self.url}",

@@ -20,15 +20,26 @@ LoRA weights (see grpo.py for the exact loss).
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .engines import SamplingParams, ServerUnavailableError, memory_tags
+from .gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .grpo import GRPOConfig
 from .history import History
 from .lora import AdapterPublisher, AdapterSaveError, adapter_name, load_version, probe_served_adapter, save_adapter_atomic
+from .metrics import HitRateTracker, cache_counters, hit_rate
+from .rollout import collect_groups
+from .server import ServerConfig, start_server
+from .server_env import server_args
+from .tasks import get_task
+from .tiny_model import default_model_dir
+from .trainer import CheckpointError, Trainer, TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +112,37 @@ class RunConfig:
     """Print one progress line per step."""
 
 
+CONFIG_FILE = "config.json"
+"""The run's RunConfig as JSON, in run_dir (the API key is never written)."""
+_OPERATIONAL = frozenset({"resume", "verbose", "max_restarts", "verify_adapter", "concurrency", "api_key",
+                          "server_args", "release_memory", "release_tags", "run_dir"})
+"""Fields that change how a run is operated, not what it computes: a resumed run may change them."""
+
+
+class ConfigMismatchError(ValueError):
+    """resume=True with a configuration that differs from the one the run was started with."""
+
+
+def config_record(cfg: RunConfig) -> dict:
+    """`cfg` as the JSON-able dict saved in run_dir/config.json (tuples as lists, no API key)."""
+    record = json.loads(json.dumps(asdict(cfg), default=str))
+    record.pop("api_key", None)
+    return record
+
+
+def check_resumable(saved: dict, cfg: RunConfig) -> None:
+    """Raise ConfigMismatchError naming every field (other than operational ones) that differs."""
+    now = config_record(cfg)
+    changed = [f"{name}: {saved.get(name)!r} → {now.get(name)!r}" for name in sorted(set(saved) | set(now))
+               if name not in _OPERATIONAL and saved.get(name) != now.get(name)]
+    if changed:
+        raise ConfigMismatchError(
+            f"resume=True, but the configuration differs from the one this run was started with "
+            f"({CONFIG_FILE} in {cfg.run_dir}): " + "; ".join(changed) + ". A resumed run must compute "
+            "what the original would have. Try: resume with the saved values "
+            "(RunConfig(**json.load(open(path)))), or start a new run in another run_dir.")
+
+
 class ServerLostError(RuntimeError):
     """The server died and the restart policy is off or exhausted (message: the cause, what to
     do, the log tail). Completed steps stay in run_dir; continue with `resume=True`."""
@@ -120,26 +162,21 @@ class GRPORun:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "GRPORun":
-        from .gpus import apply_to_kernel, list_gpus, plan_gpus
-        from .metrics import HitRateTracker
-        from .tasks import get_task
-
         cfg = self.cfg
         self.task = get_task(cfg.task)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._save_config()
         self.plan = plan_gpus(list_gpus())
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
         self.release = _resolve_release(cfg, self.plan.mode)
         self.plan = replace(self.plan, release_server_memory=self.release)
         if engine != "cpu" and self.plan.mode == "cpu":
-            from .gpus import require_gpu
             require_gpu()
         apply_to_kernel(self.plan)
-        model_path = cfg.model_path or str(_default_model())
+        model_path = cfg.model_path or str(default_model_dir())
         self.server = self._start_server(engine, model_path)
         self.client = self.server.client()
         self.trainer = self._make_trainer(model_path)
-        self.tracker = HitRateTracker(engine=engine if engine != "cpu" else "sglang")
+        self.tracker = HitRateTracker(engine=engine)
         self.history = History.load(self.run_dir) if cfg.resume else History(self.run_dir)
         self.publisher = AdapterPublisher(self.client, self.run_dir)
         adapters = self.run_dir / "adapters"
@@ -147,6 +184,16 @@ class GRPORun:
         self._initial = self._restore_latest(adapters) if cfg.resume else save_adapter_atomic(self._save_fn, adapters, 0)
         self._published = False  # the first await (step/run) loads it into the server
         return self
+
+    def _save_config(self) -> None:
+        """Write run_dir/config.json; with resume=True first refuse a changed configuration."""
+        path = self.run_dir / CONFIG_FILE
+        if self.cfg.resume and path.exists():
+            check_resumable(json.loads(path.read_text()), self.cfg)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{CONFIG_FILE}.tmp")
+        tmp.write_text(json.dumps(config_record(self.cfg), indent=2))
+        tmp.replace(path)
 
     def stop(self) -> None:
         """Stop the server (by process group). Saved adapters and history stay in run_dir."""
@@ -199,9 +246,6 @@ class GRPORun:
 
     # ---- internals -----------------------------------------------------------------------------
     def _start_server(self, engine: str, model_path: str):
-        from .envs import server_args
-        from .server import ServerConfig, start_server
-
         cfg = self.cfg
         mem = getattr(self.plan, "server_mem_fraction", None)
         extra = server_args(engine, cfg.server_args)
@@ -212,8 +256,6 @@ class GRPORun:
         return start_server(scfg)
 
     def _make_trainer(self, model_path: str):
-        from .trainer import Trainer, TrainerConfig
-
         cfg = self.cfg
         grpo = replace(cfg.grpo, temperature=cfg.temperature)
         return Trainer(TrainerConfig(model_path=model_path, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
@@ -221,8 +263,6 @@ class GRPORun:
                                      seed=cfg.seed, grpo=grpo))
 
     def _restore_latest(self, adapters: Path):
-        from .trainer import CheckpointError
-
         # A step is complete once its history row is written: a checkpoint saved after the last
         # row (the server died while loading it) is redone, as it would have been without the loss.
         last_row = self.history.last["step"] if self.history.last else 0
@@ -252,10 +292,6 @@ class GRPORun:
         return self.cfg.seed * 1_000_003 + step
 
     async def _rollouts(self, step: int):
-        from .client import SamplingParams
-        from .metrics import cache_counters, hit_rate
-        from .rollout import collect_groups
-
         cfg = self.cfg
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
                                 temperature=cfg.temperature)
@@ -297,15 +333,11 @@ class GRPORun:
     async def _raise_if_server_lost(self, groups) -> None:
         """Failed rollouts and a server that exited (or no longer answers /health) are a server
         loss: the step is redone after a restart, never trained on the rollouts that survived."""
-        from .client import ServerUnavailableError
-
         errors = [t.error for g in groups for t in g.trajectories if t.error]
         if errors and not (self.server.alive() and await self.client.health()):
             raise ServerUnavailableError(f"{len(errors)} rollouts failed and the server is gone: {errors[0]}")
 
     async def _with_restarts(self, fn, *args):
-        from .client import ServerUnavailableError
-
         while True:
             try:
                 if not self.server.alive():
@@ -404,8 +436,6 @@ def _probe_trajectory(groups):
 
 def _resolve_release(cfg: RunConfig, mode: str) -> bool:
     """cfg.release_memory → bool ("auto": only when server and trainer share one GPU)."""
-    from .client_memory import memory_tags
-
     memory_tags(cfg.release_tags)  # a typo fails before anything is launched
     if cfg.release_memory == "auto":
         return mode == "colocated"
@@ -416,8 +446,6 @@ def _resolve_release(cfg: RunConfig, mode: str) -> bool:
 
 def _exit_status(server) -> str:
     """How the server process ended, for an error message ("was killed by SIGKILL", ...)."""
-    import signal
-
     code = server.proc.poll() if server.proc is not None else None
     if code is None:
         return "stopped answering"
@@ -426,11 +454,3 @@ def _exit_status(server) -> str:
     return f"exited with code {code}"
 
 
-def _default_model() -> Path:
-    from .tiny_model import default_model_dir
-
-    return default_model_dir()
-
-
-def config_dict(cfg: RunConfig) -> dict:
-    return asdict(cfg)

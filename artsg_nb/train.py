@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
+from .engines import AdapterRankError, MemorySaverError
+from .gpus import CudaAlreadyInitializedError, NoGpuError
 from .grpo import GRPOConfig
-from .session import GRPORun, RunConfig
+from .lora import AdapterSaveError
+from .plots import save_training_plot
+from .server import ServerError
+from .server_env import ServerEnvNotFoundError
+from .session import GRPORun, RunConfig, ServerLostError
+from .tasks import UnknownTaskError, list_tasks
+from .trainer import CheckpointError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,15 +67,6 @@ async def _train(run: GRPORun, steps: int) -> None:
 
 def user_errors() -> tuple[type[Exception], ...]:
     """Errors whose message already says what happened and what to try: no traceback for them."""
-    from .client import AdapterRankError, MemorySaverError
-    from .envs import ServerEnvNotFoundError
-    from .gpus import CudaAlreadyInitializedError, NoGpuError
-    from .lora import AdapterSaveError
-    from .server import ServerError
-    from .session import ServerLostError
-    from .tasks import UnknownTaskError
-    from .trainer import CheckpointError
-
     return (UnknownTaskError, ServerEnvNotFoundError, NoGpuError, CudaAlreadyInitializedError, ServerError,
             ServerLostError, AdapterSaveError, AdapterRankError, CheckpointError, MemorySaverError)
 
@@ -84,19 +82,14 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     a = parse_args(argv)
     if a.list_tasks:
-        from .tasks import list_tasks
-
         for t in list_tasks():
             print(f"{t.name}\t{t.description}")
         return 0
     cfg = config_from_args(a)
     t0 = time.perf_counter()
     with GRPORun(cfg) as run:
-        (run.run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
         asyncio.run(_train(run, a.steps))
         df = run.history.df
-    from .plots import save_training_plot
-
     save_training_plot(df, run.run_dir / "training.png")
     first, last = df["reward_mean"].iloc[0], df["reward_mean"].iloc[-1]
     print(f"done: {len(df)} steps in {time.perf_counter() - t0:.1f} s | reward {first:.3f} -> {last:.3f} | "

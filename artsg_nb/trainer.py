@@ -13,6 +13,7 @@ is `grpo.py`). One optimizer step per batch of rollouts (TRL's `num_iterations=1
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -22,6 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl.trainer.utils import selective_log_softmax
 
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss, zero_advantage_groups
 
@@ -118,8 +123,6 @@ class Trainer:
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Per-token logprobs of tokens 1..L-1 at the sampling temperature (as the server)."""
-        from trl.trainer.utils import selective_log_softmax
-
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         return selective_log_softmax(logits.float() / self.cfg.grpo.temperature, input_ids[:, 1:])
 
@@ -170,7 +173,6 @@ class Trainer:
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Optimizer state, step and RNG next to an adapter already saved in `path`."""
-        from safetensors.torch import save_file
 
         path = Path(path)
         tensors, meta = _optimizer_to_tensors(self.optimizer)
@@ -182,8 +184,6 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore adapter weights, optimizer, step and RNG saved by `save_checkpoint`."""
-        from safetensors.torch import load_file
-        from peft import set_peft_model_state_dict
 
         path = Path(path)
         missing = [n for n in ("adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json")
@@ -227,23 +227,16 @@ def _load_model(cfg: TrainerConfig, device: torch.device):
 
 
 def _unsloth_importable() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("unsloth") is not None
 
 
 def _lora_config(cfg: TrainerConfig):
-    from peft import LoraConfig
-
     # The subset both SGLang and vLLM accept: no dropout, bias, DoRA, rsLoRA or modules_to_save.
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
                       target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
 
 
 def _load_peft(cfg: TrainerConfig, device: torch.device):
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(device)
     if cfg.gradient_checkpointing:
@@ -255,7 +248,7 @@ def _load_peft(cfg: TrainerConfig, device: torch.device):
 
 def _load_unsloth(cfg: TrainerConfig):
     os.environ.setdefault("UNSLOTH_RETURN_LOGITS", "1")  # we need logits to score at temperature T
-    from unsloth import FastLanguageModel
+    from unsloth import FastLanguageModel  # lazy: importing it patches transformers and initialises CUDA
 
     model, tokenizer = FastLanguageModel.from_pretrained(model_name=cfg.model_path, load_in_4bit=False,
                                                          dtype=torch.bfloat16, max_seq_length=8192)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import ipywidgets
+from IPython import get_ipython
+from IPython.display import display
 
 from artsg_nb.gpus import list_gpus
 
@@ -37,10 +39,6 @@ STOP_JOIN_TIMEOUT_S = 5.0
 
 def in_jupyter() -> bool:
     """Whether this code runs in an IPython kernel (Jupyter, nbclient), not a plain interpreter."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
     shell = get_ipython()
     return shell is not None and getattr(shell, "kernel", None) is not None
 
@@ -262,8 +260,6 @@ class Dashboard:
         if not in_jupyter():
             print(self.render_text())
             return self
-        from IPython.display import display
-
         self.refresh()
         display(self.widget)
         self.start()

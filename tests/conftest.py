@@ -57,20 +57,14 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.skip(reason=reason))
 
 
-# ---- faults suite (issue 7): the summary line and the leftover-process check ------------------
-# Owned by the faults suite (tests/test_faults*.py); the rest of this file belongs to others.
-# The hooks carry their own names (hookimpl specname), so another pytest_configure or
-# pytest_sessionfinish in this file does not silently replace them.
-#
-# `make test-faults` runs `pytest -m faults`; its last line reads
-#     faults: N injected, N survived, 0 lost
-# injected = faults tests that ran (not skipped), survived = passed, lost = failed or errored.
-# It is printed after pytest's own summary line (pytest_unconfigure), only when faults tests ran.
-#
+# ---- leftover processes -------------------------------------------------------------------------
 # Every process the tests start inherits ARTSG_TEST_SESSION (a fresh token per pytest run). At
 # the end of the session, any process still alive with this run's token after a short grace (a
 # server a test left running, the orphan of a killed child "kernel") is reported loudly, killed,
 # and fails the session. Processes are found by that token, never by name: other users' servers are not ours.
+# The hooks carry their own names (hookimpl specname), so another pytest_configure or
+# pytest_sessionfinish in this file does not silently replace them. The faults suite's summary
+# line is tests/faults/conftest.py's.
 import os as _os
 import signal as _signal
 import uuid as _uuid
@@ -80,55 +74,30 @@ import pytest as _pytest
 
 TEST_SESSION_VAR = "ARTSG_TEST_SESSION"
 LEFTOVER_GRACE_S = 10.0  # servers never exit on their own; a `sleep 5` left by a timeout does
-_faults_outcomes: dict[str, str] = {}  # nodeid → "survived" | "skipped" | "lost"
-_WORST = {"survived": 0, "skipped": 1, "lost": 2}  # a test's worst phase decides its outcome
 
 
 @_pytest.hookimpl(specname="pytest_configure")
-def pytest_configure_faults_suite(config):
+def pytest_configure_leftover_check(config):
     _os.environ[TEST_SESSION_VAR] = _uuid.uuid4().hex  # fresh, even under an outer pytest
 
 
-@_pytest.hookimpl(specname="pytest_runtest_logreport")
-def pytest_runtest_logreport_faults_suite(report):
-    if "faults" not in report.keywords:
-        return
-    if report.failed:
-        outcome = "lost"
-    elif report.skipped:
-        outcome = "skipped"
-    elif report.when == "call":
-        outcome = "survived"
-    else:
-        return
-    old = _faults_outcomes.get(report.nodeid, "survived")
-    _faults_outcomes[report.nodeid] = max(old, outcome, key=_WORST.get)
-
-
 @_pytest.hookimpl(specname="pytest_sessionfinish")
-def pytest_sessionfinish_faults_suite(session, exitstatus):
+def pytest_sessionfinish_leftover_check(session, exitstatus):
     leftovers = leftover_processes()
     if leftovers:  # a straggler that is about to exit (a timed-out helper's child) is not a leak
         _, alive = _psutil.wait_procs([p for p, _ in leftovers], timeout=LEFTOVER_GRACE_S)
         leftovers = [(p, cmd) for p, cmd in leftovers if p in alive]
     if not leftovers:
         return
-    _say(session.config, "")  # end the progress line
-    _say(session.config, f"LEFTOVER PROCESSES started by this test session ({len(leftovers)}), now killed:", red=True)
+    say(session.config, "")  # end the progress line
+    say(session.config, f"LEFTOVER PROCESSES started by this test session ({len(leftovers)}), now killed:", red=True)
     for p, cmd in leftovers:
-        _say(session.config, f"  pid {p.pid}: {' '.join(cmd)[:200]}", red=True)
+        say(session.config, f"  pid {p.pid}: {' '.join(cmd)[:200]}", red=True)
         try:
             p.send_signal(_signal.SIGKILL)
         except _psutil.Error:
             pass
     session.exitstatus = _pytest.ExitCode.TESTS_FAILED
-
-
-@_pytest.hookimpl(specname="pytest_unconfigure")
-def pytest_unconfigure_faults_suite(config):
-    ran = [o for o in _faults_outcomes.values() if o != "skipped"]
-    if ran:
-        _say(config, f"faults: {len(ran)} injected, {ran.count('survived')} survived, {ran.count('lost')} lost")
 
 
 def leftover_processes() -> list:
@@ -144,7 +113,7 @@ def leftover_processes() -> list:
     return found
 
 
-def _say(config, line: str, **markup) -> None:
+def say(config, line: str, **markup) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(line, **markup)

@@ -67,7 +67,7 @@ def test_engine_version_skips_a_server_info_without_version():
     import httpx
 
     from artsg_nb.bench import engine_version
-    from artsg_nb.client import run_sync
+    from artsg_nb.engines import run_sync
 
     routes = {"/server_info": {"vllm_config": {"model": "m"}}, "/version": {"version": "0.26.0"}}
 

@@ -510,7 +510,7 @@ def test_memory_routes_without_memory_saver_answer_like_sglang(engine):
     assert http.post("/resume_memory_occupation", json={}).status_code == 200
     assert http.get("/server_info").json()["enable_memory_saver"] is False
 
-    from artsg_nb.client import MemorySaverError, make_client, run_sync
+    from artsg_nb.engines import MemorySaverError, make_client, run_sync
 
     async def release():
         async with make_client("cpu", proc.url, http.get("/model_info").json()["model_path"]) as client:

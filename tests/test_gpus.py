@@ -104,14 +104,14 @@ def fake_pynvml(devices: list[tuple[str, str, int, int]], fail: bool = False):
 
 
 def test_list_gpus_reads_nvml(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([("H200", "GPU-aa", 1000, 10), ("H200", "GPU-bb", 1000, 20)]))
+    monkeypatch.setattr(gpus, "pynvml", fake_pynvml([("H200", "GPU-aa", 1000, 10), ("H200", "GPU-bb", 1000, 20)]))
     assert gpus.list_gpus() == [GpuInfo(0, "H200", "GPU-aa", 1000.0, 10.0), GpuInfo(1, "H200", "GPU-bb", 1000.0, 20.0)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bb")  # set before us (a shared host): respected
     assert [g.index for g in gpus.list_gpus()] == [1]
 
 
 def test_no_driver_is_an_empty_list_and_require_gpu_explains(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([], fail=True))
+    monkeypatch.setattr(gpus, "pynvml", fake_pynvml([], fail=True))
     assert gpus.list_gpus() == []
     with pytest.raises(NoGpuError, match="Driver Not Loaded.*engine='cpu'"):
         require_gpu()
@@ -127,7 +127,7 @@ def test_visible_filter():
 
 # ---- apply_to_kernel ------------------------------------------------------------------------
 def test_apply_sets_trainer_devices_and_remembers_the_original(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([("H200", f"GPU-{i}", 1000, 0) for i in range(4)]))
+    monkeypatch.setattr(gpus, "pynvml", fake_pynvml([("H200", f"GPU-{i}", 1000, 0) for i in range(4)]))
     plan = plan_gpus(gpus.list_gpus())
     assert apply_to_kernel(plan)["CUDA_VISIBLE_DEVICES"] == "1,2,3"
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,2,3" and os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"

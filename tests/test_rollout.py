@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from artsg_nb.client import Generation
+from artsg_nb.engines import Generation
 from artsg_nb.rollout import (SCHEDULES, collect_groups, env_suffix_ids, render_ids, rollout_stats,
                               turn_end_text)
 
@@ -332,7 +332,7 @@ def _collect(server, *args, **kwargs):
 
 
 def _params(task, **kw):
-    from artsg_nb.client import SamplingParams
+    from artsg_nb.engines import SamplingParams
 
     return SamplingParams(max_new_tokens=task.max_new_tokens, **kw)
 

@@ -177,7 +177,7 @@ export PYTHONPATH=$KPATH$REPO\${ARTSG_BASE_PYTHONPATH:+:\$ARTSG_BASE_PYTHONPATH}
 export PATH=$T/kernel-site/bin:\$ARTSG_BASE_PATH
 export ARTSG_SERVER_PYTHON=$PY
 export ARTSG_SERVER_PYTHONPATH=$SPATH
-# Also handed to the server subprocess explicitly by artsg_nb.envs.server_extra_env (KEY=VALUE ...).
+# Also handed to the server subprocess explicitly by artsg_nb.server_env.server_extra_env (KEY=VALUE ...).
 export ARTSG_SERVER_ENV="HF_HUB_OFFLINE=1 SGLANG_IS_FLASHINFER_AVAILABLE=false TVM_FFI_CACHE_DIR=$T/tvmcache CUDA_HOME=/usr/local/cuda$SENV_EXTRA"
 export ARTSG_VLLM_ENV="HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1"
 export ARTSG_SGLANG_READY=$(have "$T/sglang-site" && [[ -d $T/sglang-stub ]] && echo 1 || echo 0)

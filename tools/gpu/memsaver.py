@@ -123,7 +123,7 @@ def gpu_memory(index: int, server_pid: int | None) -> dict:
 
 
 def preflight(rec: Recorder) -> None:
-    from artsg_nb.envs import child_env, server_extra_env
+    from artsg_nb.server_env import child_env, server_extra_env
 
     python = os.environ.get("ARTSG_SERVER_PYTHON", "python3")
     try:
@@ -139,7 +139,7 @@ def preflight(rec: Recorder) -> None:
 
 
 def make_cfg(a, run_dir: str, release: bool, weights_backup: bool):
-    from artsg_nb.envs import server_args
+    from artsg_nb.server_env import server_args
     from artsg_nb.session import RunConfig
 
     args = server_args(a.engine)
@@ -190,7 +190,7 @@ def summarize(rows: list[dict]) -> dict:
 
 async def direct(run, gpu: int, tags, repeats: int) -> dict:
     """Release/resume `repeats` times, memory around each; greedy outputs before vs after."""
-    from artsg_nb.client import SamplingParams
+    from artsg_nb.engines import SamplingParams
 
     client, pid = run.client, run.server.pid
     ids = run.trainer.tokenizer("What is 12 + 35? Think step by step. " * 12)["input_ids"]
@@ -226,7 +226,7 @@ def failed(rec: Recorder, name: str, run, e: BaseException) -> None:
 
 
 def main_run(a, rec: Recorder) -> None:
-    from artsg_nb.client_memory import DEFAULT_TAGS, MEMORY_TAGS
+    from artsg_nb.engines import DEFAULT_TAGS, MEMORY_TAGS
     from artsg_nb.session import GRPORun
 
     run = None

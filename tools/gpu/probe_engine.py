@@ -40,7 +40,7 @@ def make_adapter(model_dir: str, out: Path, rank: int = 16, seed: int = 1, scale
 async def probe(client, model_dir, adapters, engine, results):
     from transformers import AutoTokenizer
 
-    from artsg_nb.client import AdapterExistsError, SamplingParams
+    from artsg_nb.engines import AdapterExistsError, SamplingParams
     from artsg_nb.metrics import cache_counters
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -116,7 +116,7 @@ def main():
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from artsg_nb.envs import server_args
+    from artsg_nb.server_env import server_args
     from artsg_nb.server import ServerConfig, start_server
 
     results = {"engine": a.engine, "model": a.model}

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from artsg_nb.client import EngineError, MemorySaverError, SamplingParams
+from artsg_nb.engines import EngineError, MemorySaverError, SamplingParams
 from artsg_nb.session import GRPORun, RunConfig, _resolve_release
 
 PROMPT = [5, 17, 33, 101, 250, 7, 9, 64, 300, 12, 45, 88]

@@ -37,11 +37,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from artsg_nb.client import AdapterRankError, EngineError, SGLangClient
+from artsg_nb.engines import AdapterRankError, EngineError, SGLangClient
 from artsg_nb.lora import AdapterSaveError, AdapterVersion, load_version
 from artsg_nb.session import GRPORun, RunConfig, ServerLostError
-from faults_helpers import (file_digests, history_steps, kill_after_replies, kill_before,  # noqa: F401
-                            private_server_records, write_lora)
 
 pytestmark = pytest.mark.faults
 
@@ -147,16 +145,16 @@ def test_requests_need_the_api_key(run):
     assert cmd[cmd.index("--api-key") + 1] == "***" and key not in json.dumps(cmd)
 
 
-def test_adapters_the_server_cannot_serve_are_refused(run, model_dir):
+def test_adapters_the_server_cannot_serve_are_refused(run, model_dir, faults):
     bad = run.run_dir / "refused"
     before = served(run)
     with pytest.raises(AdapterRankError) as err:  # the server runs --max-lora-rank 8
-        asyncio.run(run.client.load_adapter("r16", str(write_lora(bad / "r16", model_dir, 16, ["q_proj"]))))
+        asyncio.run(run.client.load_adapter("r16", str(faults.write_lora(bad / "r16", model_dir, 16, ["q_proj"]))))
     assert "LoRA rank 16" in str(err.value) and "exceeds --max-lora-rank 8" in str(err.value)
     assert "Restart the server with --max-lora-rank" in str(err.value)  # the client's fix
     with pytest.raises(AdapterRankError, match=r"targets modules \['lm_head'\]"):
-        asyncio.run(run.client.load_adapter("head", str(write_lora(bad / "head", model_dir, 8, ["lm_head"]))))
-    pickle_dir = write_lora(bad / "pickle", model_dir, 8, ["q_proj"], pickle_only=True)
+        asyncio.run(run.client.load_adapter("head", str(faults.write_lora(bad / "head", model_dir, 8, ["lm_head"]))))
+    pickle_dir = faults.write_lora(bad / "pickle", model_dir, 8, ["q_proj"], pickle_only=True)
     with pytest.raises(EngineError, match=r"only a pickle adapter_model.bin.*safetensors only") as err:
         asyncio.run(run.client.load_adapter("pickle", str(pickle_dir)))
     assert type(err.value) is EngineError and err.value.status == 400
@@ -167,9 +165,9 @@ def test_adapters_the_server_cannot_serve_are_refused(run, model_dir):
 
 
 # ---- the server dies mid-step ----------------------------------------------------------------------
-def test_server_killed_during_rollouts_restarts_and_redoes_the_step(run, reference, monkeypatch):
+def test_server_killed_during_rollouts_restarts_and_redoes_the_step(run, reference, monkeypatch, faults):
     step(run)  # step 1, undisturbed
-    before = file_digests(run.run_dir / "adapters")  # policy-step-0/1: adapter, optimizer, step, RNG
+    before = faults.file_digests(run.run_dir / "adapters")  # policy-step-0/1: adapter, optimizer, step, RNG
     attempts = []
     rollouts = run._rollouts
 
@@ -178,44 +176,44 @@ def test_server_killed_during_rollouts_restarts_and_redoes_the_step(run, referen
         return await rollouts(n)
 
     monkeypatch.setattr(run, "_rollouts", counted)
-    kill = kill_after_replies(monkeypatch, run, 3)  # 3 of the 8 rollouts done, 5 in flight
+    kill = faults.kill_after_replies(run, 3)  # 3 of the 8 rollouts done, 5 in flight
 
     row = step(run)
     assert kill.fired and run.server.alive() and run.server.pid != kill.killed_pid
     assert attempts == [2, 2] and row["step"] == 2 and row["restarts"] == run.restarts == 1
     assert row["failed_rollouts"] == 0 and kill.replies >= 3 + 8  # all 8 played on the new server
-    assert history_steps(run.run_dir) == [1, 2]
-    after = file_digests(run.run_dir / "adapters")
+    assert faults.history_steps(run.run_dir) == [1, 2]
+    after = faults.file_digests(run.run_dir / "adapters")
     assert {k: after.get(k) for k in before} == before
     assert served(run) == ["policy-step-2"]
     assert_same_step(run.run_dir, reference, 1)
     assert_same_step(run.run_dir, reference, 2)
 
 
-def test_server_killed_during_adapter_reload(run, reference, monkeypatch):
+def test_server_killed_during_adapter_reload(run, reference, monkeypatch, faults):
     loads = record_loads(monkeypatch)
-    kill = kill_before(monkeypatch, SGLangClient, "load_adapter", run, lambda _, name, path: name == "policy-step-3")
+    kill = faults.kill_before(SGLangClient, "load_adapter", run, lambda _, name, path: name == "policy-step-3")
 
     row = step(run)
     assert kill.fired and run.server.alive() and row["restarts"] == run.restarts == 2
     # the new server gets the newest published adapter back, then the one just trained
     assert loads == ["policy-step-3", "policy-step-2", "policy-step-3"]
-    assert served(run) == ["policy-step-3"] and history_steps(run.run_dir) == [1, 2, 3]
+    assert served(run) == ["policy-step-3"] and faults.history_steps(run.run_dir) == [1, 2, 3]
     assert_same_step(run.run_dir, reference, 3)
 
 
-def test_server_killed_while_unloading_the_previous_adapter(run, reference, monkeypatch):
+def test_server_killed_while_unloading_the_previous_adapter(run, reference, monkeypatch, faults):
     loads = record_loads(monkeypatch)
-    kill = kill_before(monkeypatch, SGLangClient, "unload_adapter", run, lambda _, name: name == "policy-step-3")
+    kill = faults.kill_before(SGLangClient, "unload_adapter", run, lambda _, name: name == "policy-step-3")
 
     row = step(run)
     assert kill.fired and run.server.alive() and row["restarts"] == run.restarts == 3
     assert loads == ["policy-step-4", "policy-step-4"]  # the old server, then the new one: once each
-    assert served(run) == ["policy-step-4"] and history_steps(run.run_dir) == [1, 2, 3, 4]
+    assert served(run) == ["policy-step-4"] and faults.history_steps(run.run_dir) == [1, 2, 3, 4]
     assert_same_step(run.run_dir, reference, 4)
 
 
-def test_disk_full_while_saving_keeps_the_served_adapter(run, reference, monkeypatch):
+def test_disk_full_while_saving_keeps_the_served_adapter(run, reference, monkeypatch, faults):
     def disk_full(path):
         Path(path).mkdir(parents=True)
         (Path(path) / "adapter_model.safetensors").write_bytes(b"\0" * 4096)  # half written
@@ -226,7 +224,7 @@ def test_disk_full_while_saving_keeps_the_served_adapter(run, reference, monkeyp
         step(run)
     adapters = run.run_dir / "adapters"
     assert sorted(p.name for p in adapters.iterdir()) == [f"policy-step-{n}" for n in range(5)]
-    assert served(run) == ["policy-step-4"] and history_steps(run.run_dir) == [1, 2, 3, 4] and len(run.history) == 4
+    assert served(run) == ["policy-step-4"] and faults.history_steps(run.run_dir) == [1, 2, 3, 4] and len(run.history) == 4
     # the update was rolled back with its adapter: the trainer is the served policy-step-4
     from peft import get_peft_model_state_dict
 
@@ -239,9 +237,9 @@ def test_disk_full_while_saving_keeps_the_served_adapter(run, reference, monkeyp
     assert_same_step(run.run_dir, reference, 5)
 
 
-def test_restarts_exhausted_raise_server_lost(run, monkeypatch):
+def test_restarts_exhausted_raise_server_lost(run, monkeypatch, faults):
     assert run.restarts == run.cfg.max_restarts == 3
-    kill = kill_before(monkeypatch, SGLangClient, "load_adapter", run, lambda _, name, path: name == "policy-step-6")
+    kill = faults.kill_before(SGLangClient, "load_adapter", run, lambda _, name, path: name == "policy-step-6")
     with pytest.raises(ServerLostError) as err:
         step(run)
     msg = str(err.value)
@@ -249,16 +247,16 @@ def test_restarts_exhausted_raise_server_lost(run, monkeypatch):
     assert "resume=True" in msg and str(run.run_dir) in msg
     assert f"Last 20 lines of {run.server.log_path}" in msg and run.server.log_tail(20) in msg
     assert not run.server.alive() and run.server.pid == kill.killed_pid  # no further restart
-    assert history_steps(run.run_dir) == [1, 2, 3, 4, 5]
+    assert faults.history_steps(run.run_dir) == [1, 2, 3, 4, 5]
     assert (run.run_dir / "adapters" / "policy-step-6" / "trainer_state.json").exists()  # saved, no row
     run.stop()
 
 
-def test_resume_continues_like_an_uninterrupted_run(run, reference):
+def test_resume_continues_like_an_uninterrupted_run(run, reference, faults):
     with GRPORun(replace(run.cfg, resume=True)) as resumed:
         # policy-step-6 has no history row: the step did not complete, so it is redone
         assert resumed.trainer.step == 5 and len(resumed.history) == 5
         row = step(resumed)
         assert row["step"] == 6 and row["restarts"] == 0 and served(resumed) == ["policy-step-6"]
-    assert history_steps(run.run_dir) == [1, 2, 3, 4, 5, 6]
+    assert faults.history_steps(run.run_dir) == [1, 2, 3, 4, 5, 6]
     assert_same_step(run.run_dir, reference, 6)

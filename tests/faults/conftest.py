@@ -1,6 +1,16 @@
-"""Helpers of the faults suite (tests/test_faults*.py): crash a server the way the OOM killer
-would, at a precise moment of a run; snapshot files; write adapter directories a server must
-refuse. No test lives here."""
+"""The faults suite's fixtures and summary line (tests/faults/: server death, kernel restart,
+bad configuration).
+
+What it does: `faults` — a fixture of injection helpers bound to the test's monkeypatch: crash a
+server the way the OOM killer would (`kill_server`), at a precise moment of a run
+(`kill_before(cls, method, run, when)`, `kill_after_replies(run, k)`), snapshot files
+(`file_digests`, `history_steps`), write adapter directories a server must refuse (`write_lora`).
+Every module here gets its own server-record directory (`private_server_records`, autouse), so the
+orphan reaper that every start runs sees only servers these tests started. `make test-faults`
+runs `pytest -m faults`; its last line reads `faults: N injected, N survived, 0 lost` (injected =
+faults tests that ran, survived = passed, lost = failed or errored), printed after pytest's own
+summary line. No test lives here.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -8,11 +18,52 @@ import json
 import os
 import signal
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
+from artsg_nb.procs import STATE_DIR_VAR
+
+_outcomes: dict[str, str] = {}  # nodeid → "survived" | "skipped" | "lost"
+_WORST = {"survived": 0, "skipped": 1, "lost": 2}  # a test's worst phase decides its outcome
+
+
+@pytest.hookimpl(specname="pytest_runtest_logreport")
+def pytest_runtest_logreport_faults_suite(report):
+    if "faults" not in report.keywords:
+        return
+    if report.failed:
+        outcome = "lost"
+    elif report.skipped:
+        outcome = "skipped"
+    elif report.when == "call":
+        outcome = "survived"
+    else:
+        return
+    old = _outcomes.get(report.nodeid, "survived")
+    _outcomes[report.nodeid] = max(old, outcome, key=_WORST.get)
+
+
+@pytest.hookimpl(specname="pytest_unconfigure")
+def pytest_unconfigure_faults_suite(config):
+    ran = [o for o in _outcomes.values() if o != "skipped"]
+    if not ran:
+        return
+    line = f"faults: {len(ran)} injected, {ran.count('survived')} survived, {ran.count('lost')} lost"
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    reporter.write_line(line) if reporter is not None else print(line, flush=True)
+
+
+@pytest.fixture
+def faults(monkeypatch) -> SimpleNamespace:
+    """The injection helpers below, the patching ones bound to this test's monkeypatch."""
+    return SimpleNamespace(kill_server=kill_server, kill_before=partial(kill_before, monkeypatch),
+                           kill_after_replies=partial(kill_after_replies, monkeypatch), file_digests=file_digests,
+                           history_steps=history_steps, write_lora=write_lora)
 
 
 def kill_server(server) -> None:
@@ -79,8 +130,6 @@ def history_steps(run_dir: Path) -> list[int]:
 def write_lora(path: Path, model_dir: Path, rank: int, modules: list[str], pickle_only: bool = False) -> Path:
     """A PEFT-format LoRA directory (layer 0 only) of `rank` on `modules`: what a trainer with other
     settings would save. `pickle_only` writes adapter_model.bin instead of safetensors."""
-    from safetensors.torch import save_file
-
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     shapes = {"q_proj": (cfg["hidden_size"], cfg["hidden_size"]), "lm_head": (cfg["hidden_size"], cfg["vocab_size"])}
     prefix = {"q_proj": "base_model.model.model.layers.0.self_attn.q_proj", "lm_head": "base_model.model.lm_head"}
@@ -103,10 +152,7 @@ def write_lora(path: Path, model_dir: Path, rank: int, modules: list[str], pickl
 @pytest.fixture(scope="module", autouse=True)
 def private_server_records(tmp_path_factory):
     """Server records go to a directory of the module's own (not the user's ~/.cache), so the
-    orphan reaper run by every start sees only servers these tests started. Import it into a
-    test module to use it there."""
-    from artsg_nb.procs import STATE_DIR_VAR
-
+    orphan reaper run by every start sees only servers these tests started."""
     old = os.environ.get(STATE_DIR_VAR)
     path = os.environ[STATE_DIR_VAR] = str(tmp_path_factory.mktemp("server-records"))
     yield Path(path)

@@ -1,4 +1,4 @@
-"""Contract tests of client.py's parsing, against bodies recorded from a real SGLang 0.5.14
+"""Contract tests of the engine clients' parsing (artsg_nb/engines/), against bodies recorded from a real SGLang 0.5.14
 (tests/fixtures/sglang-0.5.14/) and vLLM shapes from the serving-API reference.
 
 A fake transport (httpx.MockTransport) answers with those bodies and records what the client
@@ -16,10 +16,10 @@ import json
 import httpx
 import pytest
 
-from artsg_nb.client import (AdapterExistsError, AdapterRankError, EngineError, MemorySaverError, SamplingParams,
-                             ServerUnavailableError, SGLangClient, UnknownAdapterError, make_client,
-                             merge_stream_chunk, run_sync)
-from artsg_nb.client_vllm import VLLMClient
+from artsg_nb.engines import (AdapterExistsError, AdapterRankError, EngineError, MemorySaverError, SamplingParams,
+                              ServerUnavailableError, SGLangClient, UnknownAdapterError, VLLMClient, make_client,
+                              run_sync)
+from artsg_nb.engines.sglang import merge_stream_chunk
 from sglang_fixtures import fixture
 
 SERVED = "/models/base"  # the recorded server's served model name

@@ -22,7 +22,6 @@ import pytest
 from artsg_nb import procs
 from artsg_nb.server import start_server
 from artsg_nb.session import GRPORun, RunConfig, ServerLostError
-from faults_helpers import kill_server, private_server_records  # noqa: F401  (autouse fixture)
 from test_server import fake_cfg, fake_engine, start_kernel  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.faults
@@ -59,10 +58,10 @@ def test_kernel_restart_reaps_the_dead_kernels_server(tmp_path, fake_engine, pri
         server.stop()
 
 
-def test_restart_policy_off_raises_server_lost_at_once(tmp_path, fake_engine):
+def test_restart_policy_off_raises_server_lost_at_once(tmp_path, fake_engine, faults):
     run = GRPORun(RunConfig(engine="cpu", run_dir=str(tmp_path), max_restarts=0))
     run.server = start_server(fake_cfg(fake_engine, tmp_path))
-    kill_server(run.server)
+    faults.kill_server(run.server)
 
     async def rollouts():
         raise AssertionError("must not run: the server is gone")

@@ -1,24 +1,17 @@
-"""Async HTTP clients for the inference engines: one dialect class per engine.
+"""What every engine dialect shares: sampling parameters, samples, errors and the HTTP transport.
 
-What it does: `SGLangClient` (also used for the CPU engine, which speaks SGLang's native API) and
-`VLLMClient` (client_vllm.py) share one interface, `EngineClient`: generate with token ids in and
-token ids + logprobs out, chat, load/unload LoRA adapters, flush the prefix cache, scrape
-/metrics, and give the server's GPU memory back around training (`release_memory` /
-`resume_memory`, client_memory.py). Every difference between the engines lives here and only here:
+What it does: `EngineClient` is the interface every engine's client offers — generate with token
+ids in and token ids + logprobs out, chat, load/unload LoRA adapters, flush the prefix cache,
+scrape /metrics, release/resume the server's GPU memory around training — and the HTTP/SSE
+plumbing under it (pooled httpx clients, one retry of a request the server dropped on a
+kept-alive connection, error bodies of every engine turned into `EngineError` subclasses with
+what to try). `EngineSpec` is the record each engine module fills in: how to launch it, where its
+environment is found, which metrics hold its prefix-cache counters, which client speaks to it.
+Also here: the vocabulary of memory release (`MEMORY_TAGS`), and `run_sync`.
 
-* adapter selection: SGLang /generate takes `lora_path: <name>`, its OpenAI routes take
-  `model: "<served>:<adapter>"` (the bare adapter name silently serves the base model); vLLM
-  takes `model: "<adapter>"`.
-* logprobs: SGLang returns temperature-scaled logprobs; vLLM does only when started with
-  `--logprobs-mode processed_logprobs` (`VLLMClient.check_logprobs_mode` verifies it).
-* error bodies: `{"success": false, "error_message"}` (SGLang LoRA), `{"error": {"message"}}`
-  (generic), `{"error": "<str>"}` (SGLang 0.5.23 strict sampling_params), plain text; all become
-  `EngineError` or one of its subclasses, with the server's message and what to try.
-* cached tokens: SGLang `meta_info.cached_tokens`; vLLM `usage.prompt_tokens_details`.
-
-What it does not do: start servers (server.py), schedule requests (rollout.py), or retry (except
-once, when the server dropped a kept-alive connection before reading the request). Everything is
-async; `run_sync` runs a coroutine from sync code, also inside Jupyter.
+What it does not do: anything that differs between engines (sglang.py, vllm.py, cpu.py), start
+servers (server.py), schedule requests (rollout.py), or retry beyond that one dropped connection.
+Everything is async; `run_sync` runs a coroutine from sync code, also inside Jupyter.
 """
 
 from __future__ import annotations
@@ -31,16 +24,47 @@ import itertools
 import json
 import logging
 import math
-import re
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping
 
 import httpx
 
-from .client_memory import SGLangMemoryMixin
+from .errors import EngineError, ServerUnavailableError, classify_error, hint_for, server_message
 
 log = logging.getLogger(__name__)
+
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""What SGLang can release (`sglang/srt/constants.py:2-10`)."""
+DEFAULT_TAGS = ("kv_cache", "cuda_graph")
+"""Safe with LoRA and without a weights backup; the KV cache is most of the server's share."""
+_START_WITH = ("Start the server with ServerConfig(enable_memory_saver=True) (SGLang --enable-memory-saver, "
+               "vLLM --enable-sleep-mode) and install torch_memory_saver in the server environment "
+               "(offline GPU bundle: .whl-tms, see tools/gpu/README.md), or train without release_memory.")
+
+
+def memory_tags(tags: Iterable[str]) -> tuple[str, ...]:
+    """`tags` checked against MEMORY_TAGS, duplicates dropped; ValueError names the valid ones."""
+    tags = (tags,) if isinstance(tags, str) else tuple(dict.fromkeys(tags))
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown or not tags:
+        raise ValueError(f"memory tags {list(tags)}: choose one or more of {list(MEMORY_TAGS)} "
+                         "(SGLang ignores unknown tags silently, so they are refused here)")
+    return tags
+
+
+def saver_problem(info: dict, tags: tuple[str, ...], engine: str = "sglang",
+                  flag: str = "--enable-memory-saver") -> str | None:
+    """Why a server with these resolved flags cannot release `tags`; None when it can."""
+    if not info.get("enable_memory_saver"):
+        return (f"{engine} was started without {flag}, so it cannot release its memory (SGLang would "
+                f"answer 200 and free nothing). {_START_WITH}")
+    if "weights" in tags and not info.get("enable_weights_cpu_backup"):
+        return (f"{engine} was started without --enable-weights-cpu-backup, so releasing 'weights' would "
+                "discard the base model (resume maps uninitialised memory). Release only "
+                f"{list(DEFAULT_TAGS)}, or start it with ServerConfig(enable_weights_cpu_backup=True).")
+    return None
+
 
 POOL_CONNECTIONS = 64  # connections per httpx pool (see EngineClient.__init__)
 
@@ -89,73 +113,6 @@ class Generation:
     """Seconds from sending the request to its complete response (client side)."""
     ttft_s: float | None = None
     """Seconds to the first output token; only measured when streamed (on_first_token)."""
-
-
-class EngineError(RuntimeError):
-    """The server refused or failed a request. `.status` is the HTTP status, `.body` its body."""
-
-    def __init__(self, message: str, status: int | None = None, body: Any = None):
-        super().__init__(message)
-        self.status, self.body = status, body
-
-
-class AdapterExistsError(EngineError):
-    """An adapter of that name is already loaded (names are immutable on SGLang)."""
-
-
-class UnknownAdapterError(EngineError):
-    """The server holds no adapter of that name."""
-
-
-class AdapterRankError(EngineError):
-    """The adapter's rank or target modules do not fit the server's LoRA memory pool."""
-
-
-class ServerUnavailableError(EngineError):
-    """No HTTP answer: the server is down, still starting, or too slow."""
-
-
-class MemorySaverError(EngineError):
-    """The server cannot release its memory as asked: started without the memory saver (SGLang
-    --enable-memory-saver, vLLM --enable-sleep-mode), or "weights" asked without a weights backup."""
-
-
-_EXISTS = ("already loaded", "already been loaded", "already exists")
-_UNKNOWN = ("does not exist", "never been loaded", "cannot be found", "not found")
-# Whole words: a path such as /home/frank/... in the message must not read as a rank problem.
-_RANK = re.compile(r"\brank\b|target[ _-]modules?")
-_HINTS = {
-    AdapterExistsError: "Adapter names are immutable: load each version under a new name "
-                        "(policy-step-N) from a new directory, or unload the old one first.",
-    UnknownAdapterError: "Load it first with load_adapter(name, path); list_adapters() shows what "
-                         "the server holds.",
-    AdapterRankError: "Restart the server with --max-lora-rank at least the adapter's r and "
-                      "--lora-target-modules covering its target_modules (or train a matching adapter).",
-}
-
-
-def server_message(body: Any) -> str:
-    """The human-readable message inside any of the engines' error bodies."""
-    if isinstance(body, dict):
-        err = body.get("error")
-        for msg in (body.get("error_message"), err.get("message") if isinstance(err, dict) else err,
-                    body.get("detail"), body.get("message")):
-            if msg:
-                return str(msg)
-    return str(body).strip() or "(empty body)"
-
-
-def classify_error(status: int, message: str, op: str) -> type[EngineError]:
-    """Which EngineError a failure is; `op` is "load", "unload", "use" (a request naming an
-    adapter) or "other"."""
-    low = message.lower()
-    if op == "load" and any(s in low for s in _EXISTS):
-        return AdapterExistsError
-    if op == "load" and _RANK.search(low):
-        return AdapterRankError
-    if op in ("unload", "use") and (status == 404 or any(s in low for s in _UNKNOWN)):
-        return UnknownAdapterError
-    return EngineError
 
 
 def normalise_finish_reason(raw: Any) -> str:
@@ -336,7 +293,7 @@ class EngineClient(abc.ABC):
         message = server_message(body)
         cls = classify_error(status, message, op)
         if cls is not EngineError:
-            hint = _HINTS[cls]
+            hint = hint_for(cls)
         elif status == 404 and message == "Not Found":
             hint = self.route_hints.get(path, f"This server has no {path} route: check the engine and its version.")
         elif status >= 500:
@@ -398,133 +355,6 @@ class _FirstToken:
             await result
 
 
-class SGLangClient(SGLangMemoryMixin, EngineClient):
-    """SGLang's native API (/generate with input_ids), and the CPU engine's, which copies it."""
-
-    engine = "sglang"
-    route_hints = {
-        "/metrics": "Start SGLang with --enable-metrics.",
-        "/load_lora_adapter": "This SGLang has no runtime LoRA loading: use SGLang >= 0.4.10.",
-        "/release_memory_occupation": "This server cannot release memory: use SGLang 0.5.x, or run without it.",
-    }
-
-    async def _generate(self, input_ids, params, adapter) -> list[Generation]:
-        resp = await self._request("POST", "/generate", "use" if adapter else "other",
-                                   json=self._generate_payload(input_ids, params, adapter))
-        body = resp.json()
-        # One prompt with n > 1 comes back as a list of n objects, n == 1 as one object.
-        return [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
-
-    async def _generate_streamed(self, input_ids, params, adapter, signal) -> list[Generation]:
-        payload = {**self._generate_payload(input_ids, params, adapter), "stream": True}
-        samples: dict[int, dict] = {}
-        async for chunk in self._sse("/generate", payload, "use" if adapter else "other"):
-            index = chunk.get("index", 0)
-            samples[index] = merge_stream_chunk(samples.get(index), chunk)
-            if chunk.get("output_ids"):
-                await signal.fire()
-        return [self._parse_sample(samples[i]) for i in sorted(samples)]
-
-    def _generate_payload(self, input_ids: list[int], params: SamplingParams, adapter: str | None) -> dict:
-        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                    "top_p": params.top_p, "ignore_eos": params.ignore_eos, "n": params.n}
-        # SGLang >= 0.5.23 rejects unknown sampling keys (400), so send only what is set.
-        if params.stop:
-            sampling["stop"] = list(params.stop)
-        if params.stop_token_ids:
-            sampling["stop_token_ids"] = list(params.stop_token_ids)
-        if params.seed is not None:
-            sampling["sampling_seed"] = params.seed
-        payload = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
-        if adapter is not None:
-            payload["lora_path"] = adapter  # the adapter's *name*, despite the field's name
-        return payload
-
-    def _parse_sample(self, obj: dict) -> Generation:
-        meta = obj["meta_info"]
-        ids = list(obj["output_ids"])
-        triples = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text|None], ...]
-        if [t[1] for t in triples] != ids:
-            raise EngineError(
-                f"{self.engine} returned {len(ids)} output_ids but logprobs for {len(triples)} tokens, "
-                f"or for other ids (first ids {ids[:5]} vs {[t[1] for t in triples[:5]]}); the logprobs "
-                "cannot be aligned with the tokens. Is the server an SGLang-compatible engine?", body=obj)
-        finish = normalise_finish_reason(meta.get("finish_reason"))
-        if finish == "abort":
-            log.warning("%s aborted a request: %s", self.engine, meta.get("finish_reason"))
-        return Generation(output_ids=ids, logprobs=[float(t[0]) for t in triples],
-                          prompt_tokens=int(meta.get("prompt_tokens", 0)),
-                          cached_tokens=int(meta.get("cached_tokens") or 0),
-                          finish_reason=finish, text=obj.get("text") or "", e2e_s=0.0)
-
-    async def chat(self, messages: list[dict], params: SamplingParams | None = None,
-                   adapter: str | None = None, logprobs: bool = True, **extra) -> dict:
-        # "<served>:<adapter>" selects the adapter; the bare adapter name would serve the base model.
-        model = f"{self.served_model}:{adapter}" if adapter else self.served_model
-        payload = chat_payload(model, messages, params or SamplingParams(), logprobs, extra)
-        return (await self._request("POST", "/v1/chat/completions", "use" if adapter else "other",
-                                    json=payload)).json()
-
-    async def load_adapter(self, name: str, path: str) -> float:
-        t0 = time.perf_counter()
-        await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path}, "load")
-        return time.perf_counter() - t0
-
-    async def unload_adapter(self, name: str) -> None:
-        """Unload `name` (the server first waits for in-flight requests that use it)."""
-        await self._lora_call("/unload_lora_adapter", {"lora_name": name}, "unload")
-
-    async def _lora_call(self, path: str, payload: dict, op: str) -> dict:
-        body = (await self._request("POST", path, op, json=payload)).json()
-        if not body.get("success", False):  # a 200 carrying success: false is a failure too
-            raise self._error("POST", path, 200, body, op)
-        return body
-
-    async def flush_cache(self, timeout_s: float | None = None) -> None:
-        """Empty the prefix cache. The server refuses (400) while requests run; with `timeout_s`
-        SGLang >= 0.5.23 waits up to that long for idle."""
-        params = {"timeout": timeout_s} if timeout_s else None
-        await self._request("POST", "/flush_cache", params=params)
-
-    async def server_info(self) -> dict:
-        """The resolved server arguments (GET /server_info, else the older /get_server_info)."""
-        try:
-            return (await self._request("GET", "/server_info")).json()
-        except EngineError as e:
-            if e.status != 404:
-                raise
-        return (await self._request("GET", "/get_server_info")).json()
-
-    async def score(self, input_ids: list[int], adapter: str | None = None,
-                    temperature: float = 1.0) -> list[float]:
-        payload = self._generate_payload(input_ids, SamplingParams(max_new_tokens=1, temperature=temperature),
-                                         adapter)
-        payload["logprob_start_len"] = 0
-        body = (await self._request("POST", "/generate", "use" if adapter else "other", json=payload)).json()
-        triples = body["meta_info"]["input_token_logprobs"]  # first entry is [None, ids[0], ...]
-        if [t[1] for t in triples] != list(input_ids):
-            raise EngineError(f"{self.engine} scored other tokens than the {len(input_ids)} sent", body=body)
-        return [float(t[0]) for t in triples[1:]]
-
-
-def merge_stream_chunk(prev: dict | None, chunk: dict) -> dict:
-    """Fold one streamed SGLang /generate chunk into the sample so far.
-
-    SGLang streams cumulative chunks by default and deltas with --incremental-streaming-output.
-    `meta_info.completion_tokens` counts all tokens so far in both modes, so a chunk carrying
-    that many ids is cumulative (it replaces), and a shorter one is a delta (it appends).
-    """
-    meta = chunk.get("meta_info") or {}
-    ids = chunk.get("output_ids") or []
-    if prev is None or len(ids) == meta.get("completion_tokens", len(ids)):
-        return chunk
-    prev_meta = prev.get("meta_info") or {}
-    lps = (prev_meta.get("output_token_logprobs") or []) + (meta.get("output_token_logprobs") or [])
-    return {**chunk, "output_ids": prev["output_ids"] + ids,
-            "text": (prev.get("text") or "") + (chunk.get("text") or ""),
-            "meta_info": {**meta, "output_token_logprobs": lps}}
-
-
 def chat_payload(model: str, messages: list[dict], params: SamplingParams, logprobs: bool, extra: dict) -> dict:
     """An OpenAI chat request body; SGLang and vLLM both accept stop_token_ids / ignore_eos."""
     payload = {"model": model, "messages": messages, "max_tokens": params.max_new_tokens,
@@ -540,18 +370,57 @@ def chat_payload(model: str, messages: list[dict], params: SamplingParams, logpr
     return {**payload, **extra}
 
 
-def make_client(engine: str, base_url: str, served_model: str, api_key: str | None = None,
-                timeout_s: float = 600.0, **kwargs) -> EngineClient:
-    """The client for `engine`: "sglang", "cpu" (speaks SGLang's API) or "vllm"."""
-    if engine in ("sglang", "cpu"):
-        client = SGLangClient(base_url, served_model, api_key=api_key, timeout_s=timeout_s, **kwargs)
-        client.engine = engine
-        return client
-    if engine == "vllm":
-        from .client_vllm import VLLMClient
 
-        return VLLMClient(base_url, served_model, api_key=api_key, timeout_s=timeout_s, **kwargs)
-    raise ValueError(f"unknown engine {engine!r}: expected 'sglang', 'cpu' or 'vllm'")
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything engine-specific that is not the HTTP dialect: launch, environment, metrics.
+
+    server.py, server_env.py and metrics.py read these fields instead of keeping tables keyed by
+    engine name; `engines.get(name)` returns one.
+    """
+
+    name: str
+    """"sglang", "vllm" or "cpu"."""
+    client_class: type
+    """The EngineClient subclass that speaks this engine's API."""
+    entry: str
+    """Module the server runs as (`python -m <entry> ...`)."""
+    package: str
+    """Package imported to check a server environment (its __version__ is reported)."""
+    launch_args: Callable[[Any, int], list[str]]
+    """(ServerConfig, port) → the engine's flags, before ServerConfig.extra_args."""
+    validate: Callable[[Any], None] = lambda cfg: None
+    """Raise ValueError for a ServerConfig this engine cannot run (e.g. vLLM's LoRA ranks)."""
+    server_env: Mapping[str, str] = field(default_factory=dict)
+    """Variables every server of this engine needs (vLLM: runtime LoRA loading, dev routes)."""
+    ignored_options: tuple[str, ...] = ()
+    """ServerConfig fields the engine has no flag for (logged when set, not fatal)."""
+    startup_timeout_s: float = 600.0
+    """Default seconds to wait for /health (a first GPU start compiles kernels)."""
+    python_var: str | None = None
+    """Variable naming the server environment's interpreter; None: the kernel's own."""
+    pythonpath_var: str | None = None
+    """Variable holding PYTHONPATH entries for the server process only (offline bundles)."""
+    env_var: str | None = None
+    """Variable holding KEY=VALUE pairs for the server process only."""
+    conda_env: str | None = None
+    """Conda environment searched by name."""
+    venv_dir: str | None = None
+    """Virtual environment searched at the repository root and the working directory."""
+    create_commands: tuple[str, str] | None = None
+    """(conda command, make target) that create the server environment."""
+    metric_prefix: str = "sglang:"
+    """Prefix of this engine's Prometheus metrics."""
+    prompt_counters: tuple[str, ...] = ()
+    """Prompt-token counter sample names, first present wins (see metrics.py)."""
+    cached_counters: tuple[str, ...] = ()
+    """Cached-token counter sample names, first present wins."""
+
+    @property
+    def args_var(self) -> str:
+        """$ARTSG_<ENGINE>_ARGS: extra server flags (e.g. an offline GPU bundle's backends)."""
+        return f"ARTSG_{self.name.upper()}_ARGS"
 
 
 def run_sync(coro):

@@ -12,7 +12,7 @@ import shlex
 import pytest
 import torch
 
-from artsg_nb.client import AdapterExistsError, AdapterRankError, SamplingParams, UnknownAdapterError
+from artsg_nb.engines import AdapterExistsError, AdapterRankError, SamplingParams, UnknownAdapterError
 from artsg_nb.metrics import cache_counters
 from artsg_nb.server import ServerConfig, start_server
 

@@ -1,4 +1,4 @@
-"""The vLLM dialect of `EngineClient` (the baseline engine users compare SGLang against).
+"""vLLM, the baseline users compare SGLang against: its HTTP dialect, launch, environment, metrics.
 
 What it does: generate through POST /v1/completions with the prompt as a token-id list and
 `return_token_ids`, so ids and logprobs come from the server (never re-tokenised); select an
@@ -11,7 +11,11 @@ finish) and `resume_memory` wakes it (POST /wake_up); both are dev-mode routes a
 started with --enable-sleep-mode (vLLM 0.26: vllm/entrypoints/serve/dev/sleep/api_router.py,
 vllm/v1/engine/core.py `sleep`).
 
-What it does not do: anything engine-neutral (client.py), or vLLM's RL weight-sync routes.
+SPEC launches `vllm.entrypoints.openai.api_server` with runtime LoRA updating and dev-mode routes
+(both by environment), prefix caching, `--logprobs-mode processed_logprobs` and prompt-token
+details; vLLM accepts only the LoRA ranks in VLLM_LORA_RANKS.
+
+What it does not do: anything engine-neutral (base.py), or vLLM's RL weight-sync routes.
 vLLM's default logprobs are pre-temperature; `check_logprobs_mode` catches a server started
 without `--logprobs-mode processed_logprobs`.
 """
@@ -23,9 +27,9 @@ import logging
 import time
 from typing import Any
 
-from .client import (EngineClient, EngineError, Generation, MemorySaverError, SamplingParams, chat_payload,
-                     normalise_finish_reason, response_body)
-from .client_memory import DEFAULT_TAGS, memory_tags, saver_problem
+from .base import (DEFAULT_TAGS, EngineClient, EngineSpec, Generation, SamplingParams, chat_payload, memory_tags,
+                   normalise_finish_reason, response_body, saver_problem)
+from .errors import EngineError, MemorySaverError
 
 log = logging.getLogger(__name__)
 
@@ -223,3 +227,45 @@ def find_key(obj: Any, key: str) -> Any:
 
 def _index(choice: dict) -> int:
     return int(choice.get("index", 0))
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The only --max-lora-rank values vLLM accepts."""
+
+
+def launch_args(cfg, port: int) -> list[str]:
+    """The flags for a server.ServerConfig `cfg` listening on `port`."""
+    args = ["--model", cfg.model_path, "--host", cfg.host, "--port", str(port),
+            "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
+            "--max-loras", str(cfg.max_loras_per_batch),
+            "--no-enable-prefix-caching" if cfg.disable_radix_cache else "--enable-prefix-caching",
+            "--logprobs-mode", "processed_logprobs",  # post-temperature, like SGLang (fact 4)
+            "--enable-prompt-tokens-details"]         # cached_tokens in usage
+    if (mem := cfg.resolved_mem_fraction()) is not None:
+        args += ["--gpu-memory-utilization", f"{mem:g}"]
+    args += ["--enable-sleep-mode"] if cfg.enable_memory_saver else []
+    return args + (["--api-key", cfg.api_key] if cfg.api_key else [])
+
+
+
+def validate(cfg) -> None:
+    if cfg.max_lora_rank not in VLLM_LORA_RANKS:
+        ok = min(r for r in VLLM_LORA_RANKS if r >= cfg.max_lora_rank) if cfg.max_lora_rank <= 512 else 512
+        raise ValueError(f"vLLM accepts max_lora_rank only in {VLLM_LORA_RANKS}, got "
+                         f"{cfg.max_lora_rank}; use {ok} (adapters of smaller rank still load)")
+
+
+SPEC = EngineSpec(
+    name="vllm", client_class=VLLMClient, entry="vllm.entrypoints.openai.api_server", package="vllm",
+    launch_args=launch_args, validate=validate, ignored_options=("schedule_policy",),
+    server_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # /v1/load_lora_adapter exists only with it
+                "VLLM_SERVER_DEV_MODE": "1"},             # /reset_prefix_cache, /sleep, /wake_up
+    python_var="ARTSG_VLLM_PYTHON", pythonpath_var="ARTSG_VLLM_PYTHONPATH", env_var="ARTSG_VLLM_ENV",
+    conda_env="artsg-vllm", venv_dir=".venv-vllm",
+    create_commands=("conda env create -f environment-vllm.yml", "make vllm-env"),
+    metric_prefix="vllm:",
+    # The old vllm:gpu_prefix_cache_* names are accepted too.
+    prompt_counters=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total",
+                     "vllm:gpu_prefix_cache_queries"),
+    cached_counters=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total",
+                     "vllm:gpu_prefix_cache_hits"))

@@ -28,20 +28,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import engines, procs
+
 log = logging.getLogger(__name__)
 
-ENGINES = ("sglang", "vllm", "cpu")
-PYTHON_VARS = {"sglang": "ARTSG_SERVER_PYTHON", "vllm": "ARTSG_VLLM_PYTHON"}
-PYTHONPATH_VARS = {"sglang": "ARTSG_SERVER_PYTHONPATH", "vllm": "ARTSG_VLLM_PYTHONPATH"}
-ENV_VARS = {"sglang": "ARTSG_SERVER_ENV", "vllm": "ARTSG_VLLM_ENV"}
-CONDA_ENVS = {"sglang": "artsg-server", "vllm": "artsg-vllm"}
-VENV_DIRS = {"sglang": ".venv-server", "vllm": ".venv-vllm"}
-# engine → (package to import, module that must exist in it: the server entry point)
-_PROBES = {"sglang": ("sglang", "sglang.launch_server"),
-           "vllm": ("vllm", "vllm.entrypoints.openai.api_server"),
-           "cpu": ("artsg_nb", "artsg_nb.cpu_engine")}
-_CREATE = {"sglang": ("conda env create -f environment-server.yml", "make server-env"),
-           "vllm": ("conda env create -f environment-vllm.yml", "make vllm-env")}
+# Imports the engine's package in the candidate interpreter, checks its server entry point exists.
 _CHECK = """\
 import importlib, importlib.util, sys
 mod = importlib.import_module(sys.argv[1])
@@ -77,8 +68,7 @@ class ServerEnv:
 def find_server_env(engine: str, python: str | os.PathLike | None = None,
                     timeout_s: float = 120.0) -> ServerEnv:
     """The interpreter for `engine`, checked to import it; `ServerEnvNotFoundError` if none does."""
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r}; use one of {', '.join(ENGINES)}")
+    engines.get(engine)  # ValueError for an unknown engine
     extra_env = server_extra_env(engine)
     looked: list[str] = []
     for source, path, explicit in _candidates(engine, python):
@@ -100,28 +90,28 @@ def find_server_env(engine: str, python: str | os.PathLike | None = None,
 def server_args(engine: str, explicit=()) -> tuple[str, ...]:
     """Extra server flags: `explicit` when given, else $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS (e.g.
     the attention/sampling backends an offline GPU bundle needs; tools/gpu/validate.sh sets them)."""
-    return tuple(explicit) or tuple(shlex.split(os.environ.get(f"ARTSG_{engine.upper()}_ARGS", "")))
+    return tuple(explicit) or tuple(shlex.split(os.environ.get(engines.get(engine).args_var, "")))
 
 
 def server_extra_env(engine: str) -> dict[str, str]:
     """PYTHONPATH and variables from ARTSG_*_PYTHONPATH / ARTSG_*_ENV for the server process."""
-    if engine == "cpu":
-        return {}
+    spec = engines.get(engine)
     env: dict[str, str] = {}
-    for item in shlex.split(os.environ.get(ENV_VARS[engine], "")):
+    for item in shlex.split(os.environ.get(spec.env_var, "")) if spec.env_var else ():
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"{ENV_VARS[engine]} holds {item!r}; write KEY=VALUE pairs separated by spaces")
+            raise ValueError(f"{spec.env_var} holds {item!r}; write KEY=VALUE pairs separated by spaces")
         env[key] = value
-    if os.environ.get(PYTHONPATH_VARS[engine]):
-        env["PYTHONPATH"] = os.environ[PYTHONPATH_VARS[engine]]
+    if spec.pythonpath_var and os.environ.get(spec.pythonpath_var):
+        env["PYTHONPATH"] = os.environ[spec.pythonpath_var]
     return env
 
 
 def check_engine(python: str | os.PathLike, engine: str, extra_env: dict[str, str] | None = None,
                  timeout_s: float = 120.0) -> tuple[bool, str]:
     """Import the engine in `python`: (True, version) or (False, why not)."""
-    package, entry = _PROBES[engine]
+    spec = engines.get(engine)
+    package, entry = spec.package, spec.entry
     env = child_env(engine, extra_env or {})
     try:  # own process group, so a timeout also ends whatever the interpreter started
         proc = subprocess.Popen([str(python), "-c", _CHECK, package, entry], env=env, text=True,
@@ -131,7 +121,7 @@ def check_engine(python: str | os.PathLike, engine: str, extra_env: dict[str, st
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        procs.stop_group(proc.pid, timeout_s=0, proc=proc)
         return False, f"`import {package}` took more than {timeout_s:.0f} s"
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if done.returncode != 0:
@@ -141,22 +131,12 @@ def check_engine(python: str | os.PathLike, engine: str, extra_env: dict[str, st
     return True, lines[-1] if lines else "unknown"
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.communicate()
-
-
 def child_env(engine: str, extra_env: dict[str, str]) -> dict[str, str]:
     """os.environ for a server subprocess: the kernel's, minus what would make another
     interpreter import the kernel's packages, plus `extra_env`."""
     env = dict(os.environ)
     env.pop("PYTHONHOME", None)
-    if engine != "cpu":  # the CPU engine shares the kernel's interpreter and packages
+    if engines.get(engine).python_var is not None:  # the CPU engine shares the kernel's packages
         env.pop("PYTHONPATH", None)
     env.update(extra_env)
     return env
@@ -166,13 +146,14 @@ def _candidates(engine: str, python) -> list[tuple[str, Path, bool]]:
     """(where, interpreter path, explicitly chosen) in search order."""
     if python is not None:
         return [("python argument", _on_path(python), True)]
-    if engine == "cpu":
+    spec = engines.get(engine)
+    if spec.python_var is None:
         return [("the kernel's interpreter", Path(sys.executable), True)]
-    var = PYTHON_VARS[engine]
+    var = spec.python_var
     if os.environ.get(var):
         return [(var, _on_path(os.environ[var]), True)]
-    found = [(f"conda env {CONDA_ENVS[engine]}", p, False) for p in _conda_pythons(CONDA_ENVS[engine])]
-    found += [(f"venv {VENV_DIRS[engine]}", root / VENV_DIRS[engine] / "bin" / "python", False)
+    found = [(f"conda env {spec.conda_env}", p, False) for p in _conda_pythons(spec.conda_env)]
+    found += [(f"venv {spec.venv_dir}", root / spec.venv_dir / "bin" / "python", False)
               for root in _roots()]
     unique, seen = [], set()
     for item in found:
@@ -236,15 +217,16 @@ def _roots() -> list[Path]:
 
 
 def _not_found_message(engine: str, looked: list[str]) -> str:
-    if engine == "cpu":
-        return ("the CPU engine (artsg_nb.cpu_engine) does not import in "
+    spec = engines.get(engine)
+    if spec.create_commands is None:
+        return (f"the {engine} engine ({spec.entry}) does not import in "
                 + "; ".join(looked) + ". Try: `pip install -e .` in the kernel's environment.")
-    conda_cmd, make_cmd = _CREATE[engine]
+    conda_cmd, make_cmd = spec.create_commands
     has_conda = bool(_conda_exe())
     create = (f"`{conda_cmd}` (or `{make_cmd}` for a venv)" if has_conda
               else f"`{make_cmd}` (no conda on this machine)")
     where = "\n".join(f"  - {item}" for item in looked) or "  - (nothing)"
     return (f"no Python environment with {engine} was found. Looked in:\n{where}\n"
-            f"  - {PYTHON_VARS[engine]}: {'set' if os.environ.get(PYTHON_VARS[engine]) else 'not set'}\n"
-            f"Try: create it with {create}, or set {PYTHON_VARS[engine]} to an interpreter that has "
-            f"{engine} (with {PYTHONPATH_VARS[engine]} for an offline bundle), or pass python=...")
+            f"  - {spec.python_var}: {'set' if os.environ.get(spec.python_var) else 'not set'}\n"
+            f"Try: create it with {create}, or set {spec.python_var} to an interpreter that has "
+            f"{engine} (with {spec.pythonpath_var} for an offline bundle), or pass python=...")

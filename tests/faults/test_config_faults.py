@@ -20,12 +20,11 @@ import sys
 import psutil
 import pytest
 
-from artsg_nb.envs import ServerEnvNotFoundError
+from artsg_nb.server_env import ServerEnvNotFoundError
 from artsg_nb.gpus import NoGpuError, list_gpus
 from artsg_nb.server import ModelPathError, PortInUseError, ServerConfig, start_server
 from artsg_nb.session import GRPORun, RunConfig
 from artsg_nb.tasks import UnknownTaskError, list_tasks
-from faults_helpers import private_server_records  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.faults
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from artsg_nb import envs
-from artsg_nb.envs import ServerEnvNotFoundError, find_server_env
+from artsg_nb import engines, server_env
+from artsg_nb.server_env import ServerEnvNotFoundError, find_server_env
 
 
 def fake_python(path: Path, body: str) -> Path:
@@ -25,11 +25,12 @@ def fake_python(path: Path, body: str) -> Path:
 def clean_env(monkeypatch, tmp_path):
     """No real conda, env vars or repo venvs leak into the search."""
     for var in ("CONDA_PREFIX", "CONDA_ROOT", "MAMBA_ROOT_PREFIX", "CONDA_EXE",
-                *envs.PYTHON_VARS.values(), *envs.PYTHONPATH_VARS.values(), *envs.ENV_VARS.values()):
+                *(v for e in engines.ENGINES for v in (engines.get(e).python_var, engines.get(e).pythonpath_var,
+                                                        engines.get(e).env_var) if v)):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(envs, "_conda_info_envs", lambda: [])
-    monkeypatch.setattr(envs, "_conda_exe", lambda: os.environ.get("CONDA_EXE"))
-    monkeypatch.setattr(envs, "_roots", lambda: [tmp_path / "repo"])
+    monkeypatch.setattr(server_env, "_conda_info_envs", lambda: [])
+    monkeypatch.setattr(server_env, "_conda_exe", lambda: os.environ.get("CONDA_EXE"))
+    monkeypatch.setattr(server_env, "_roots", lambda: [tmp_path / "repo"])
     monkeypatch.chdir(tmp_path)
 
 
@@ -57,7 +58,7 @@ def test_conda_env_by_name(tmp_path, monkeypatch):
 def test_conda_info_envs_is_consulted(tmp_path, monkeypatch):
     prefix = tmp_path / "elsewhere" / "artsg-server"
     fake_python(prefix / "bin" / "python", "echo 0.5.23")
-    monkeypatch.setattr(envs, "_conda_info_envs", lambda: [str(tmp_path / "other"), str(prefix)])
+    monkeypatch.setattr(server_env, "_conda_info_envs", lambda: [str(tmp_path / "other"), str(prefix)])
     assert find_server_env("sglang").python == str(prefix / "bin" / "python")
 
 
@@ -103,7 +104,7 @@ def test_bare_name_is_looked_up_on_path(tmp_path, monkeypatch):
 
 def test_import_check_times_out(tmp_path):
     slow = fake_python(tmp_path / "slow" / "python", "sleep 5; echo 1")
-    ok, why = envs.check_engine(slow, "sglang", timeout_s=0.3)
+    ok, why = server_env.check_engine(slow, "sglang", timeout_s=0.3)
     assert not ok and "took more than" in why
 
 
@@ -127,15 +128,15 @@ def test_offline_bundle_pythonpath_goes_to_the_server_only(tmp_path, monkeypatch
 
 def test_child_env_drops_the_kernels_pythonpath_for_other_interpreters(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/kernel/site")
-    assert "PYTHONPATH" not in envs.child_env("sglang", {})
-    assert envs.child_env("vllm", {"PYTHONPATH": "/b"})["PYTHONPATH"] == "/b"
-    assert envs.child_env("cpu", {})["PYTHONPATH"] == "/kernel/site"
+    assert "PYTHONPATH" not in server_env.child_env("sglang", {})
+    assert server_env.child_env("vllm", {"PYTHONPATH": "/b"})["PYTHONPATH"] == "/b"
+    assert server_env.child_env("cpu", {})["PYTHONPATH"] == "/kernel/site"
 
 
 def test_bad_env_var_syntax(monkeypatch):
     monkeypatch.setenv("ARTSG_VLLM_ENV", "NOEQUALS")
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        envs.server_extra_env("vllm")
+        server_env.server_extra_env("vllm")
 
 
 def test_cpu_engine_uses_the_kernels_interpreter():
@@ -152,5 +153,5 @@ def test_roots_walks_up_to_the_project(tmp_path, monkeypatch):
     (tmp_path / "proj" / "notebooks").mkdir(parents=True)
     (tmp_path / "proj" / "pyproject.toml").write_text("")
     monkeypatch.chdir(tmp_path / "proj" / "notebooks")
-    roots = envs._roots()
+    roots = server_env._roots()
     assert roots[:2] == [tmp_path / "proj" / "notebooks", tmp_path / "proj"]

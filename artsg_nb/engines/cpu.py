@@ -1,0 +1,34 @@
+"""The CPU engine (artsg_nb.cpu_engine, a separate program): launch and environment.
+
+What it does: SPEC runs `python -m artsg_nb.cpu_engine` in the kernel's own interpreter (it needs
+only torch, transformers and PEFT, which the kernel has). The engine copies SGLang's native API,
+routes, metric names and memory-release routes, so its client is SGLang's (named "cpu" by
+engines.make_client) and its hit rate comes from the same counters.
+
+What it does not do: implement the engine (artsg_nb/cpu_engine/), which imports nothing of this
+package.
+"""
+from __future__ import annotations
+
+from .base import EngineSpec
+from .sglang import SPEC as SGLANG
+from .sglang import SGLangClient
+
+
+def launch_args(cfg, port: int) -> list[str]:
+    """The flags for a server.ServerConfig `cfg` listening on `port`."""
+    args = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
+            "--max-lora-rank", str(cfg.max_lora_rank),
+            "--lora-target-modules", *cfg.lora_target_modules, "--enable-cache-report"]
+    args += ["--api-key", cfg.api_key] if cfg.api_key else []
+    args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
+    args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
+    return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
+
+
+
+SPEC = EngineSpec(
+    name="cpu", client_class=SGLangClient, entry="artsg_nb.cpu_engine", package="artsg_nb",
+    launch_args=launch_args, ignored_options=("schedule_policy", "mem_fraction"), startup_timeout_s=120.0,
+    metric_prefix=SGLANG.metric_prefix, prompt_counters=SGLANG.prompt_counters,
+    cached_counters=SGLANG.cached_counters)

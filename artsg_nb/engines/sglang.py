@@ -1,0 +1,258 @@
+"""SGLang: its HTTP dialect, how it is launched, where its environment and metrics are.
+
+What it does: `SGLangClient` speaks SGLang's native API — POST /generate with `input_ids`, the
+adapter selected by name in `lora_path` (its OpenAI routes take `model: "<served>:<adapter>"`;
+the bare adapter name silently serves the base model), temperature-scaled logprobs aligned with
+`output_ids`, `meta_info.cached_tokens`, LoRA load/unload with a `success` flag in a 200 body —
+and SPEC says how `python -m sglang.launch_server` is started (`--enable-lora`, metrics and cache
+report on), which variables find its environment, and which counters give its hit rate. The CPU
+engine copies this API, so its client (cpu.py) is this one.
+
+Memory release around training: `release_memory(tags)` / `resume_memory()` POST
+/release_memory_occupation and /resume_memory_occupation with `{"tags": [...]}`; both answer 200
+with a `null` body. What they guard against, read in SGLang 0.5.14's source (paths under
+`sglang/srt/`):
+
+* Without `--enable-memory-saver` both routes still answer 200 and free nothing: a no-op saver
+  is swapped in (`utils/torch_memory_saver_adapter.py:19-29, 87-108`). So the client reads the
+  server's flags from /server_info first and raises `MemorySaverError` rather than pretend.
+  With the flag but no `torch_memory_saver` package the server does not start at all (`:20-26`).
+* The server must be idle. The scheduler *asserts* it
+  (`managers/scheduler_components/weight_updater.py:180-183`), and a failed assert ends the
+  scheduler and with it the server (`managers/scheduler.py:4229-4232`), not a 400. Release
+  therefore first waits for idle through `/flush_cache?timeout=`, which refuses with a 400.
+* Releasing "kv_cache" flushes the radix cache (`weight_updater.py:193-209`). That costs no
+  hits here: the cache is keyed by adapter load and every step serves a new adapter.
+* "weights" without `--enable-weights-cpu-backup` throws the base weights away: only the
+  module buffers are stashed (`weight_updater.py:211-217, 311-323`) and resume maps fresh,
+  uninitialised memory (RL frameworks push new weights after it; LoRA training does not). The
+  LoRA buffers live outside the weights region (`model_executor/model_runner.py:1415-1429`
+  loads the model inside it, `:777-779` builds the LoRA manager after), so adapters survive a
+  weights release that has the backup. The default tags leave the weights alone.
+* Resuming a tag that is not released is a KeyError in the scheduler (`weight_updater.py:231-232`),
+  which again ends the server; so `resume_memory()` sends exactly the tags this client released.
+* Nothing stops generation while memory is released: a request would run on unmapped memory.
+  Generate nothing, and do not probe /health (it generates one token), until resume.
+
+What it does not do: anything engine-neutral (base.py), or start the process (server.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable
+
+from .base import (DEFAULT_TAGS, EngineClient, EngineSpec, Generation, SamplingParams, chat_payload, memory_tags,
+                   normalise_finish_reason, saver_problem)
+from .errors import EngineError, MemorySaverError
+
+log = logging.getLogger(__name__)
+
+
+class SGLangClient(EngineClient):
+    """SGLang's native API (/generate with input_ids), and the CPU engine's, which copies it."""
+
+    engine = "sglang"
+    route_hints = {
+        "/metrics": "Start SGLang with --enable-metrics.",
+        "/load_lora_adapter": "This SGLang has no runtime LoRA loading: use SGLang >= 0.4.10.",
+        "/release_memory_occupation": "This server cannot release memory: use SGLang 0.5.x, or run without it.",
+    }
+
+    async def _generate(self, input_ids, params, adapter) -> list[Generation]:
+        resp = await self._request("POST", "/generate", "use" if adapter else "other",
+                                   json=self._generate_payload(input_ids, params, adapter))
+        body = resp.json()
+        # One prompt with n > 1 comes back as a list of n objects, n == 1 as one object.
+        return [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
+
+    async def _generate_streamed(self, input_ids, params, adapter, signal) -> list[Generation]:
+        payload = {**self._generate_payload(input_ids, params, adapter), "stream": True}
+        samples: dict[int, dict] = {}
+        async for chunk in self._sse("/generate", payload, "use" if adapter else "other"):
+            index = chunk.get("index", 0)
+            samples[index] = merge_stream_chunk(samples.get(index), chunk)
+            if chunk.get("output_ids"):
+                await signal.fire()
+        return [self._parse_sample(samples[i]) for i in sorted(samples)]
+
+    def _generate_payload(self, input_ids: list[int], params: SamplingParams, adapter: str | None) -> dict:
+        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                    "top_p": params.top_p, "ignore_eos": params.ignore_eos, "n": params.n}
+        # SGLang >= 0.5.23 rejects unknown sampling keys (400), so send only what is set.
+        if params.stop:
+            sampling["stop"] = list(params.stop)
+        if params.stop_token_ids:
+            sampling["stop_token_ids"] = list(params.stop_token_ids)
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        payload = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
+        if adapter is not None:
+            payload["lora_path"] = adapter  # the adapter's *name*, despite the field's name
+        return payload
+
+    def _parse_sample(self, obj: dict) -> Generation:
+        meta = obj["meta_info"]
+        ids = list(obj["output_ids"])
+        triples = meta.get("output_token_logprobs") or []  # [[logprob, token_id, text|None], ...]
+        if [t[1] for t in triples] != ids:
+            raise EngineError(
+                f"{self.engine} returned {len(ids)} output_ids but logprobs for {len(triples)} tokens, "
+                f"or for other ids (first ids {ids[:5]} vs {[t[1] for t in triples[:5]]}); the logprobs "
+                "cannot be aligned with the tokens. Is the server an SGLang-compatible engine?", body=obj)
+        finish = normalise_finish_reason(meta.get("finish_reason"))
+        if finish == "abort":
+            log.warning("%s aborted a request: %s", self.engine, meta.get("finish_reason"))
+        return Generation(output_ids=ids, logprobs=[float(t[0]) for t in triples],
+                          prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                          cached_tokens=int(meta.get("cached_tokens") or 0),
+                          finish_reason=finish, text=obj.get("text") or "", e2e_s=0.0)
+
+    async def chat(self, messages: list[dict], params: SamplingParams | None = None,
+                   adapter: str | None = None, logprobs: bool = True, **extra) -> dict:
+        # "<served>:<adapter>" selects the adapter; the bare adapter name would serve the base model.
+        model = f"{self.served_model}:{adapter}" if adapter else self.served_model
+        payload = chat_payload(model, messages, params or SamplingParams(), logprobs, extra)
+        return (await self._request("POST", "/v1/chat/completions", "use" if adapter else "other",
+                                    json=payload)).json()
+
+    async def load_adapter(self, name: str, path: str) -> float:
+        t0 = time.perf_counter()
+        await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path}, "load")
+        return time.perf_counter() - t0
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload `name` (the server first waits for in-flight requests that use it)."""
+        await self._lora_call("/unload_lora_adapter", {"lora_name": name}, "unload")
+
+    async def _lora_call(self, path: str, payload: dict, op: str) -> dict:
+        body = (await self._request("POST", path, op, json=payload)).json()
+        if not body.get("success", False):  # a 200 carrying success: false is a failure too
+            raise self._error("POST", path, 200, body, op)
+        return body
+
+    async def flush_cache(self, timeout_s: float | None = None) -> None:
+        """Empty the prefix cache. The server refuses (400) while requests run; with `timeout_s`
+        SGLang >= 0.5.23 waits up to that long for idle."""
+        params = {"timeout": timeout_s} if timeout_s else None
+        await self._request("POST", "/flush_cache", params=params)
+
+    async def server_info(self) -> dict:
+        """The resolved server arguments (GET /server_info, else the older /get_server_info)."""
+        try:
+            return (await self._request("GET", "/server_info")).json()
+        except EngineError as e:
+            if e.status != 404:
+                raise
+        return (await self._request("GET", "/get_server_info")).json()
+
+    async def score(self, input_ids: list[int], adapter: str | None = None,
+                    temperature: float = 1.0) -> list[float]:
+        payload = self._generate_payload(input_ids, SamplingParams(max_new_tokens=1, temperature=temperature),
+                                         adapter)
+        payload["logprob_start_len"] = 0
+        body = (await self._request("POST", "/generate", "use" if adapter else "other", json=payload)).json()
+        triples = body["meta_info"]["input_token_logprobs"]  # first entry is [None, ids[0], ...]
+        if [t[1] for t in triples] != list(input_ids):
+            raise EngineError(f"{self.engine} scored other tokens than the {len(input_ids)} sent", body=body)
+        return [float(t[0]) for t in triples[1:]]
+
+    # ---- memory release around training (see the module docstring) ---------------------------
+    released_tags: tuple[str, ...] = ()
+    """What this client released and has not resumed yet."""
+    _saver_flags: dict | None = None
+
+    async def check_memory_saver(self, tags: Iterable[str] = DEFAULT_TAGS) -> None:
+        """Raise MemorySaverError unless the server can release `tags` (its flags are read once)."""
+        tags = memory_tags(tags)
+        if self._saver_flags is None:
+            info = await self.server_info()
+            self._saver_flags = {k: bool(info.get(k)) for k in ("enable_memory_saver", "enable_weights_cpu_backup")}
+        problem = saver_problem(self._saver_flags, tags, self.engine)
+        if problem:
+            raise MemorySaverError(problem, body=self._saver_flags)
+
+    async def release_memory(self, tags: Iterable[str] = DEFAULT_TAGS, idle_timeout_s: float = 60.0) -> float:
+        """Release `tags` of the server's GPU memory once it is idle; seconds taken (idle wait included).
+
+        Raises MemorySaverError when the server cannot (see `check_memory_saver`), EngineError when
+        it is not idle within `idle_timeout_s` or this client already released (resume first).
+        """
+        tags = memory_tags(tags)
+        if self.released_tags:
+            raise EngineError(f"{self.engine}: memory {list(self.released_tags)} is already released; "
+                              "call resume_memory() first")
+        await self.check_memory_saver(tags)
+        t0 = time.perf_counter()
+        try:
+            await self.flush_cache(timeout_s=idle_timeout_s)  # waits for idle, or refuses with 400
+        except EngineError as e:
+            if e.status is None or e.status >= 500:
+                raise
+            raise EngineError(f"{self.engine} did not become idle within {idle_timeout_s:g} s, so its memory was "
+                              "not released (SGLang asserts idle; its scheduler would exit). Let every "
+                              f"request finish first, or pass a larger idle_timeout_s. ({e})", e.status, e.body) from e
+        await self._request("POST", "/release_memory_occupation", json={"tags": list(tags)})
+        self.released_tags = tags
+        log.debug("%s released %s in %.3f s", self.engine, tags, time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    async def resume_memory(self) -> float:
+        """Take back what `release_memory` gave; seconds taken. Nothing released: returns 0.0."""
+        if not self.released_tags:
+            return 0.0
+        t0 = time.perf_counter()
+        await self._request("POST", "/resume_memory_occupation", json={"tags": list(self.released_tags)})
+        self.released_tags = ()
+        return time.perf_counter() - t0
+
+
+def merge_stream_chunk(prev: dict | None, chunk: dict) -> dict:
+    """Fold one streamed SGLang /generate chunk into the sample so far.
+
+    SGLang streams cumulative chunks by default and deltas with --incremental-streaming-output.
+    `meta_info.completion_tokens` counts all tokens so far in both modes, so a chunk carrying
+    that many ids is cumulative (it replaces), and a shorter one is a delta (it appends).
+    """
+    meta = chunk.get("meta_info") or {}
+    ids = chunk.get("output_ids") or []
+    if prev is None or len(ids) == meta.get("completion_tokens", len(ids)):
+        return chunk
+    prev_meta = prev.get("meta_info") or {}
+    lps = (prev_meta.get("output_token_logprobs") or []) + (meta.get("output_token_logprobs") or [])
+    return {**chunk, "output_ids": prev["output_ids"] + ids,
+            "text": (prev.get("text") or "") + (chunk.get("text") or ""),
+            "meta_info": {**meta, "output_token_logprobs": lps}}
+
+
+def launch_args(cfg, port: int) -> list[str]:
+    """The flags for a server.ServerConfig `cfg` listening on `port`."""
+    args = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
+            "--enable-lora", "--max-lora-rank", str(cfg.max_lora_rank),
+            "--lora-target-modules", *cfg.lora_target_modules,
+            "--max-loras-per-batch", str(cfg.max_loras_per_batch),
+            "--enable-metrics", "--enable-cache-report"]
+    if (mem := cfg.resolved_mem_fraction()) is not None:
+        args += ["--mem-fraction-static", f"{mem:g}"]
+    args += ["--api-key", cfg.api_key] if cfg.api_key else []
+    args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
+    args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
+    args += ["--schedule-policy", cfg.schedule_policy] if cfg.schedule_policy else []
+    return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
+
+
+
+def validate(cfg) -> None:
+    if (cfg.port or 0) > 55535 and "SGLANG_GRPC_PORT" not in cfg.env:
+        raise ValueError(f"port={cfg.port}: SGLang derives a gRPC port = port + 10000, which "
+                         "must stay ≤ 65535; use a port ≤ 55535 (or None for a free one)")
+
+
+SPEC = EngineSpec(
+    name="sglang", client_class=SGLangClient, entry="sglang.launch_server", package="sglang",
+    launch_args=launch_args, validate=validate,
+    python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",
+    conda_env="artsg-server", venv_dir=".venv-server",
+    create_commands=("conda env create -f environment-server.yml", "make server-env"),
+    metric_prefix="sglang:", prompt_counters=("sglang:prompt_tokens_total",),
+    cached_counters=("sglang:cached_tokens_total",))

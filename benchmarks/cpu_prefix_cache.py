@@ -20,7 +20,7 @@ The engine recomputes the last prompt token of every request (as SGLang does), s
 reachable rate is (G-1)/G · (L-1)/L for a prompt of L tokens; both are printed.
 
 What it does not do: compare with SGLang or vLLM (bench.py does, on a GPU), measure decode-heavy
-loads, or test correctness (tests/test_cpu_engine.py does).
+loads, or test correctness (tests/cpu_engine/test_cpu_engine.py does).
 """
 
 from __future__ import annotations

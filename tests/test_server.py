@@ -365,7 +365,7 @@ HAS_CPU_ENGINE = importlib.util.find_spec("artsg_nb.cpu_engine") is not None
 HAS_WEB = all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn"))
 
 
-@pytest.mark.skipif(not HAS_CPU_ENGINE, reason="artsg_nb/cpu_engine.py is not written yet")
+@pytest.mark.skipif(not HAS_CPU_ENGINE, reason="artsg_nb/cpu_engine/ is not written yet")
 @pytest.mark.skipif(not HAS_WEB, reason="the CPU engine's fastapi/uvicorn are not installed here")
 def test_real_cpu_engine_starts_and_stops(tmp_path):
     from artsg_nb.tiny_model import default_model_dir

@@ -142,7 +142,7 @@ def test_bad_env_var_syntax(monkeypatch):
 def test_cpu_engine_uses_the_kernels_interpreter():
     try:
         env = find_server_env("cpu")
-    except ServerEnvNotFoundError as e:  # until artsg_nb/cpu_engine.py exists
+    except ServerEnvNotFoundError as e:  # until artsg_nb/cpu_engine/ exists
         assert "artsg_nb.cpu_engine" in str(e)
     else:
         assert env.python == sys.executable and env.extra_env == {}

@@ -3,7 +3,7 @@ with release_memory=True on the CPU engine (started with --enable-memory-saver) 
 
 What SGLang does, with file:line, is in artsg_nb/client_memory.py; the request shapes against the
 recorded SGLang bodies are in test_client_contract.py; the answers without --enable-memory-saver
-in test_cpu_engine.py.
+in cpu_engine/test_cpu_engine.py.
 """
 import asyncio
 

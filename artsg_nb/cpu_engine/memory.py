@@ -1,4 +1,4 @@
-"""The CPU engine's /release_memory_occupation and /resume_memory_occupation (SGLang's routes).
+"""What the CPU engine has released: SGLang's /release_memory_occupation and /resume_memory_occupation.
 
 What SGLang 0.5.14 does (read from its source; the facts and line numbers are in
 artsg_nb/client_memory.py): GET or POST with `{"tags": [...]}` (absent, null or [] = all of
@@ -7,10 +7,12 @@ body. Releasing kv_cache flushes the radix cache. With --enable-memory-saver the
 really given back and nothing may run until resume; without it both routes still answer 200,
 the flush happens, and nothing is freed.
 
-What this engine does (the routes are in cpu_engine_routes): the same routes, bodies and flags (--enable-memory-saver,
---enable-weights-cpu-backup, both reported by /server_info). Releasing kv_cache drops the radix
-cache's KV tensors, which is real memory here; weights and cuda_graph are bookkeeping only (the
-weights are the model in RAM, and there are no CUDA graphs). With --enable-memory-saver,
+What this engine does (routes.py maps the routes onto Engine.release_memory and
+Engine.resume_memory; this module holds the state, the tags and the error): the same routes,
+bodies and flags (--enable-memory-saver, --enable-weights-cpu-backup, both reported by
+/server_info). Releasing kv_cache drops the radix cache's KV tensors, which is real memory here;
+weights and cuda_graph are bookkeeping only (the weights are the model in RAM, and there are no
+CUDA graphs). With --enable-memory-saver,
 generation is refused (400, or 503 for /health_generate) while anything is released: on SGLang
 it would run on unmapped memory.
 
@@ -20,12 +22,6 @@ run fails an assert; resuming a tag that is not released is a KeyError), this en
 be tested without losing the server.
 """
 from __future__ import annotations
-
-import asyncio
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from artsg_nb.cpu_engine import Engine
 
 ALL_TAGS = ("kv_cache", "weights", "cuda_graph")
 NOT_IDLE = "release_memory_occupation should be called only when server is idle."
@@ -58,26 +54,3 @@ def requested_tags(body: dict) -> list[str]:
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise OccupationError("tags must be a list of strings")
     return tags
-
-
-async def release_memory(engine: Engine, tags: list[str]) -> None:
-    """Mark `tags` released and, for kv_cache, empty the radix cache; only when idle."""
-    scheduler, state = engine.scheduler, engine.memory
-
-    def on_scheduler() -> None:  # runs on the scheduler thread, between rounds
-        if scheduler.busy():
-            raise OccupationError(NOT_IDLE)
-        if "kv_cache" in tags:
-            scheduler.flush_cache()
-        state.released.update(tags)
-
-    await asyncio.wrap_future(scheduler.call(on_scheduler))
-
-
-async def resume_memory(engine: Engine, tags: list[str]) -> None:
-    """Mark `tags` resumed; all of them must be released (SGLang: a KeyError that ends the server)."""
-    missing = [t for t in tags if t not in engine.memory.released]
-    if missing:
-        raise OccupationError(f"KeyError: {missing[0]!r}: resume_memory_occupation of a tag that is not "
-                              f"released (released: {sorted(engine.memory.released)})")
-    engine.memory.released.difference_update(tags)

@@ -2,7 +2,7 @@
 
 Design: one thread owns the model, every KV tensor and the radix cache; nothing else touches
 them, so two forward passes never run at once. HTTP handlers put `Request`s and `Command`s on a
-queue and are called back (`Request.on_event`, `Command.future`). Each round of the loop:
+queue and are called back (`Request.on_event` of request.py, `Command.future`). Each round of the loop:
 
 1. pull new requests and commands from the inbox;
 2. run the commands whose condition holds (flush, adapter load, adapter unload once no queued
@@ -16,7 +16,7 @@ queue and are called back (`Request.on_event`, `Command.future`). Each round of 
    so the G samples of a group (n=G, or G concurrent requests) find the first one's prompt KV
    and need no forward pass of their own. Like SGLang, at most len(prompt)-1 tokens are
    reused: the last prompt token is always computed, here by the next decode step;
-5. one batched decode step for all running requests (cpu_engine_batch.py): each row feeds its
+5. one batched decode step for all running requests (batch.py): each row feeds its
    next token (the last prompt token, then its last output) and samples one. Rows may use
    different adapters (PEFT mixed-adapter batch) and have different lengths (KV left-padded,
    masked, explicit positions);
@@ -35,63 +35,22 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from artsg_nb.cpu_engine_batch import DecodeBatch, LayerKV, stack_kv
-from artsg_nb.cpu_engine_metrics import EngineMetrics
-from artsg_nb.cpu_engine_model import ModelRunner
-from artsg_nb.cpu_engine_sampling import SamplingParams, sample_tokens
-from artsg_nb.radix_cache import BASE_NAMESPACE, Node, RadixCache
+from .batch import DecodeBatch, LayerKV, stack_kv
+from .metrics import EngineMetrics
+from .model import ModelRunner
+from .radix_cache import RadixCache
+from .request import Request
+from .sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 
 STOP_WINDOW_TOKENS = 32  # stop strings are searched in the decoded last tokens only
-
-
-@dataclass(eq=False)
-class Request:
-    """One sequence to generate (an n>1 request is n of these). Fields after `on_event` are
-    written by the scheduler thread; HTTP code reads them after the finished event."""
-
-    input_ids: list[int]
-    params: SamplingParams
-    adapter_id: str | None = None  # the adapter's load id; None = base model
-    return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: output logprobs only; k: also the prompt from position k
-    top_logprobs_num: int = 0
-    stream: bool = False
-    sample_index: int = 0  # j of n: the seed of sample j is sampling_seed + j
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    on_event: Callable[[Request, bool], None] | None = None  # (request, finished), scheduler thread
-    aborted: bool = False  # set by the HTTP side when the client goes away
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
-    cached_tokens: int = 0
-    finish_reason: dict | None = None
-    error: str | None = None
-    received_ts: float = field(default_factory=time.time)
-    dispatch_ts: float | None = None
-    first_token_ts: float | None = None
-    finished_ts: float | None = None
-    kv_len: int = 0  # tokens whose KV exists: len(prompt) - 1 + len(output)
-    cache_node: Node | None = None  # radix node locked while the request runs
-    generator: torch.Generator | None = None
-
-    @property
-    def namespace(self) -> str:
-        return self.adapter_id or BASE_NAMESPACE
-
-    def notify(self, finished: bool) -> None:
-        if self.on_event is not None:
-            self.on_event(self, finished)
 
 
 @dataclass(eq=False)

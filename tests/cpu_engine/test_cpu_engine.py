@@ -567,17 +567,18 @@ def test_through_the_client_module(engine, adapters):
 
 # ---- in-process: scheduler and app ---------------------------------------------------------
 def test_scheduler_cache_off_gives_the_same_tokens_and_logprobs(cpu_engine_model_dir):
-    from artsg_nb.cpu_engine_metrics import EngineMetrics
-    from artsg_nb.cpu_engine_model import ModelRunner
-    from artsg_nb.cpu_engine_sampling import SamplingParams
-    from artsg_nb.cpu_engine_scheduler import Request, Scheduler, SchedulerConfig
+    from artsg_nb.cpu_engine.metrics import EngineMetrics
+    from artsg_nb.cpu_engine.model import ModelRunner
+    from artsg_nb.cpu_engine.request import Request
+    from artsg_nb.cpu_engine.sampling import RequestSampling
+    from artsg_nb.cpu_engine.scheduler import Scheduler, SchedulerConfig
 
     runner = ModelRunner(str(cpu_engine_model_dir))
 
     def run(disable: bool) -> list[Request]:
         scheduler = Scheduler(runner, SchedulerConfig(disable_radix_cache=disable), EngineMetrics("m"))
         scheduler.start()
-        params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+        params = RequestSampling(max_new_tokens=5, temperature=0.0, ignore_eos=True)
         done = threading.Semaphore(0)
         reqs = [Request(input_ids=PROMPT + [i], params=params, return_logprob=True,
                         on_event=lambda r, finished: finished and done.release()) for i in range(3)]
@@ -598,8 +599,9 @@ def test_scheduler_cache_off_gives_the_same_tokens_and_logprobs(cpu_engine_model
 def test_api_key_guards_every_route_but_health(cpu_engine_model_dir):
     from fastapi.testclient import TestClient
 
-    from artsg_nb.cpu_engine import Engine, parse_args
-    from artsg_nb.cpu_engine_routes import create_app
+    from artsg_nb.cpu_engine.__main__ import parse_args
+    from artsg_nb.cpu_engine.engine import Engine
+    from artsg_nb.cpu_engine.routes import create_app
 
     engine = Engine(parse_args(["--model-path", str(cpu_engine_model_dir), "--api-key", "sekrit"]))
     client = TestClient(create_app(engine))  # no `with`: the model is never loaded
@@ -611,7 +613,7 @@ def test_api_key_guards_every_route_but_health(cpu_engine_model_dir):
 
 
 def test_parse_model_parameter_follows_sglang():
-    from artsg_nb.cpu_engine_protocol import parse_model_parameter
+    from artsg_nb.cpu_engine.protocol import parse_model_parameter
 
     assert parse_model_parameter("/m/base", "/m/base") == ("/m/base", None)
     assert parse_model_parameter("/m/base:lora1", "/m/base") == ("/m/base", "lora1")

@@ -1,42 +1,21 @@
-"""The CPU engine: a real inference server that speaks the subset of SGLang's HTTP API artsg_nb uses.
+"""The CPU engine's state: the Engine (model runner, scheduler, adapter registry, memory release).
 
-    python -m artsg_nb.cpu_engine --model-path DIR --host 127.0.0.1 --port 30000 \\
-        [--max-lora-rank 16] [--lora-target-modules all|q_proj ...] [--max-loras-per-batch 8] \\
-        [--lora-paths name=path ...] [--cache-budget-tokens 65536] [--disable-radix-cache] \\
-        [--enable-cache-report] [--enable-memory-saver [--enable-weights-cpu-backup]] \\
-        [--api-key KEY] [--random-seed S] [--log-level info]
+What it does: boots the model and the scheduler thread in the background (then prints SGLang's
+"The server is fired up and ready to roll!"), keeps the registry of loaded adapters (name →
+load id, the radix-cache namespace), loads and unloads adapters, flushes the cache, releases and
+resumes memory (the state and SGLang's facts are in memory.py), and bridges asyncio handlers to
+the scheduler thread (`events`, `run`). EngineArgs is the resolved command line.
 
-What it does: serves a transformers causal LM (float32, CPU) with PEFT LoRA adapters loaded and
-unloaded by name at runtime, behind SGLang's routes, JSON shapes, status codes and metric names
-(/health, /generate, /v1/chat/completions, /load_lora_adapter, /unload_lora_adapter,
-/flush_cache, /release_memory_occupation, /resume_memory_occupation, /metrics, /model_info,
-/server_info, /v1/models), so the toolkit runs one code path
-on a laptop or in CI and on a GPU box. Prefixes are reused through a token-level radix cache of
-real KV tensors, namespaced per adapter load id exactly as SGLang keys its cache: reuse within a
-policy version, never across versions. It prints SGLang's "The server is fired up and ready to
-roll!" once the model is loaded and a warmup generation has run.
-
-Design (the modules): `cpu_engine_routes` (FastAPI handlers) → `cpu_engine_protocol` (JSON ↔
-requests) → `cpu_engine_scheduler` (one thread that owns the model: FCFS queue, continuous
-batching of running requests, adapters mixed per batch, one prefill at a time with radix reuse)
-→ `cpu_engine_batch` (the left-padded running batch) → `cpu_engine_model` (transformers + PEFT
-forward) and `radix_cache`. `cpu_engine_sampling` holds the sampling_params contract and the
-sampler; `cpu_engine_metrics` the Prometheus registry; `cpu_engine_memory` the memory
-release/resume routes.
-
-What it deliberately does not do: CUDA, tensor/pipeline parallelism, quantisation, paged
-attention, chunked prefill, speculative decoding, grammars and penalties, chat streaming,
-/v1/completions, weight updates of the base model, and SGLang's silent reload of an adapter
-name that was unloaded (a request naming it gets 400, like a name never loaded).
+What it deliberately does not do: HTTP (routes.py receives an Engine and maps routes onto it;
+this module never imports routes), argument parsing (__main__.py), or any model, KV or batching
+work (the scheduler thread owns those).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
@@ -44,14 +23,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from artsg_nb.cpu_engine_memory import MemoryOccupation
-from artsg_nb.cpu_engine_metrics import EngineMetrics
-from artsg_nb.cpu_engine_model import ALL_TARGET_MODULES, AdapterError, ModelRunner, check_adapter_dir
-from artsg_nb.cpu_engine_protocol import BadRequest
-from artsg_nb.cpu_engine_sampling import SamplingParams
-from artsg_nb.cpu_engine_scheduler import Request, Scheduler, SchedulerConfig
+from .memory import NOT_IDLE, MemoryOccupation, OccupationError
+from .metrics import EngineMetrics
+from .model import ALL_TARGET_MODULES, AdapterError, ModelRunner, check_adapter_dir
+from .protocol import BadRequest
+from .request import Request
+from .sampling import RequestSampling
+from .scheduler import Scheduler, SchedulerConfig
 
-log = logging.getLogger("artsg_nb.cpu_engine")
+log = logging.getLogger(__name__)
 
 VERSION = "artsg-cpu-0.1.0"
 READY_LINE = "The server is fired up and ready to roll!"
@@ -97,51 +77,6 @@ class EngineArgs:
     skip_server_warmup: bool = False
     ignored: dict = field(default_factory=dict)
     """SGLang flags accepted for compatibility that mean nothing on CPU."""
-
-
-def parse_args(argv: list[str] | None = None) -> EngineArgs:
-    p = argparse.ArgumentParser(prog="python -m artsg_nb.cpu_engine", description=__doc__.split("\n")[0])
-    p.add_argument("--model-path", "--model", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name")
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--lora-target-modules", nargs="*", default=["all"])
-    p.add_argument("--max-loras-per-batch", type=int, default=8)
-    p.add_argument("--lora-paths", nargs="*", default=[])
-    p.add_argument("--cache-budget-tokens", type=int, default=65536)
-    p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--enable-cache-report", action="store_true")
-    p.add_argument("--enable-memory-saver", action="store_true")
-    p.add_argument("--enable-weights-cpu-backup", action="store_true")
-    p.add_argument("--api-key")
-    p.add_argument("--random-seed", type=int)
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--max-prefill-tokens", type=int, default=16384)
-    p.add_argument("--num-threads", type=int)
-    p.add_argument("--skip-server-warmup", action="store_true")
-    # SGLang flags that are meaningless here; accepted so a shared launcher can pass them.
-    p.add_argument("--enable-lora", action="store_true")
-    p.add_argument("--enable-metrics", action="store_true")
-    p.add_argument("--mem-fraction-static", type=float)
-    a = p.parse_args(argv)
-    targets = tuple(a.lora_target_modules or ["all"])
-    targets = ALL_TARGET_MODULES if "all" in targets else targets
-    unknown = sorted(set(targets) - set(ALL_TARGET_MODULES))
-    if unknown:
-        p.error(f"--lora-target-modules {unknown} not supported; choose from {list(ALL_TARGET_MODULES)} or all")
-    return EngineArgs(
-        model_path=a.model_path, host=a.host, port=a.port, served_model_name=a.served_model_name,
-        max_lora_rank=a.max_lora_rank, lora_target_modules=targets, max_loras_per_batch=a.max_loras_per_batch,
-        lora_paths=tuple(a.lora_paths), cache_budget_tokens=a.cache_budget_tokens,
-        disable_radix_cache=a.disable_radix_cache, enable_cache_report=a.enable_cache_report,
-        enable_memory_saver=a.enable_memory_saver, enable_weights_cpu_backup=a.enable_weights_cpu_backup,
-        api_key=a.api_key, random_seed=a.random_seed, log_level=a.log_level,
-        max_running_requests=a.max_running_requests, max_prefill_tokens=a.max_prefill_tokens,
-        num_threads=a.num_threads, skip_server_warmup=a.skip_server_warmup,
-        ignored={k: v for k, v in (("enable_lora", a.enable_lora), ("enable_metrics", a.enable_metrics),
-                                   ("mem_fraction_static", a.mem_fraction_static)) if v})
 
 
 @dataclass(frozen=True)
@@ -208,7 +143,7 @@ class Engine:
     def _warmup(self) -> None:
         done = threading.Event()
         req = Request(input_ids=[self.runner.tokenizer.eos_token_id or 0],
-                      params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                      params=RequestSampling(max_new_tokens=1, temperature=0.0),
                       on_event=lambda r, finished: finished and done.set())
         self.scheduler.submit([req])
         if not done.wait(timeout=600) or req.error:
@@ -265,6 +200,28 @@ class Engine:
 
     async def flush_cache(self) -> bool:
         return await asyncio.wrap_future(self.scheduler.call(self.scheduler.flush_cache))
+
+    # ---- memory (SGLang's /release_memory_occupation and /resume_memory_occupation) -------
+    async def release_memory(self, tags: list[str]) -> None:
+        """Mark `tags` released and, for kv_cache, empty the radix cache; only when idle."""
+        scheduler, state = self.scheduler, self.memory
+
+        def on_scheduler() -> None:  # runs on the scheduler thread, between rounds
+            if scheduler.busy():
+                raise OccupationError(NOT_IDLE)
+            if "kv_cache" in tags:
+                scheduler.flush_cache()
+            state.released.update(tags)
+
+        await asyncio.wrap_future(scheduler.call(on_scheduler))
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """Mark `tags` resumed; all of them must be released (SGLang: a KeyError that ends the server)."""
+        missing = [t for t in tags if t not in self.memory.released]
+        if missing:
+            raise OccupationError(f"KeyError: {missing[0]!r}: resume_memory_occupation of a tag that is not "
+                                  f"released (released: {sorted(self.memory.released)})")
+        self.memory.released.difference_update(tags)
 
     # ---- running requests ----------------------------------------------------------------
     async def events(self, reqs: list[Request]):
@@ -334,24 +291,3 @@ def default_num_threads() -> int:
     """Leave one CPU to the HTTP loop and the client: on a busy 2-core box, two spinning
     OpenMP threads made a forward pass ~10x slower than one."""
     return max(1, min(len(os.sched_getaffinity(0)) - 1, 8))
-
-
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
-    from artsg_nb.cpu_engine_routes import create_app
-
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stdout,
-                        format="[%(asctime)s] %(name)s %(levelname)s: %(message)s")
-    if args.ignored:
-        log.info("ignoring GPU-only flags on the CPU engine: %s", args.ignored)
-    engine = Engine(args)
-    app = create_app(engine)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            access_log=args.log_level.lower() == "debug")
-    uvicorn.Server(config).run()
-
-
-if __name__ == "__main__":
-    main()

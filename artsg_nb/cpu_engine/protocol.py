@@ -6,7 +6,7 @@ with the responses recorded from a real server (shared/fixtures/sglang-0.5.14/):
 {text, output_ids, meta_info}, SSE chunks, and the OpenAI chat completion with SGLang's
 extensions (matched_stop, response_token_ids, prompt_token_ids, meta_info).
 
-What it deliberately does not do: talk HTTP or touch the scheduler (cpu_engine_routes.py does);
+What it deliberately does not do: talk HTTP or touch the scheduler (routes.py does);
 chat streaming, tools, reasoning parsers, multimodal input, /v1/completions.
 """
 
@@ -16,9 +16,9 @@ import time
 import uuid
 from typing import Callable
 
-from artsg_nb.cpu_engine_model import ModelRunner
-from artsg_nb.cpu_engine_sampling import SamplingParams, parse_sampling_params
-from artsg_nb.cpu_engine_scheduler import Request
+from .model import ModelRunner
+from .request import Request
+from .sampling import RequestSampling, parse_sampling_params
 
 
 class BadRequest(ValueError):
@@ -85,7 +85,7 @@ def _per_prompt(value, n: int, name: str) -> list:
     return [value] * n
 
 
-def check_length(prompt: list[int], params: SamplingParams, runner: ModelRunner) -> None:
+def check_length(prompt: list[int], params: RequestSampling, runner: ModelRunner) -> None:
     context = runner.context_len
     if len(prompt) >= context:
         raise BadRequest(f"The input ({len(prompt)} tokens) is longer than the model's context length "

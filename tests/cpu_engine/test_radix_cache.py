@@ -1,4 +1,4 @@
-"""Unit tests of the token-level radix tree (artsg_nb/radix_cache.py), on hand-made tensors.
+"""Unit tests of the token-level radix tree (artsg_nb/cpu_engine/radix_cache.py), on hand-made tensors.
 
 A stored value is a (tokens, 1) tensor whose entries equal the token ids, so every slice and
 concatenation the tree does can be checked against the tokens themselves.
@@ -6,7 +6,7 @@ concatenation the tree does can be checked against the tokens themselves.
 
 import torch
 
-from artsg_nb.radix_cache import RadixCache
+from artsg_nb.cpu_engine.radix_cache import RadixCache
 
 
 def kv(tokens):

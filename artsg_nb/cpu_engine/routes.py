@@ -1,12 +1,14 @@
 """HTTP routes of the CPU engine: SGLang's paths, status codes and error shapes over FastAPI.
 
-What it does: maps each route the toolkit uses onto the Engine (cpu_engine.py): readiness
+What it does: maps each route the toolkit uses onto the Engine (engine.py): readiness
 (/health 503 until the model is loaded and warmed up), info (/model_info, /server_info,
 /v1/models and their deprecated get_* aliases), generation (/generate, streaming as SSE
 `data: {...}` chunks ending with `data: [DONE]`; /v1/chat/completions), adapters
 (/load_lora_adapter, /unload_lora_adapter with SGLang's LoRAUpdateOutput body), /flush_cache
 (plain text, 400 while requests run), /release_memory_occupation and /resume_memory_occupation
-(null body; cpu_engine_memory), /metrics (Prometheus text) and the --api-key check.
+(null body; Engine.release_memory and resume_memory), /metrics (Prometheus text) and the
+--api-key check. It receives the Engine object from __main__ and only calls it; engine.py never
+imports this module.
 
 Error shapes follow SGLang: generic 400s are {"error": {"message"}}, a broken sampling_params
 contract is {"error": "<message>"}, chat errors are OpenAI's {"object": "error", ...}, adapter
@@ -23,21 +25,17 @@ import json
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from artsg_nb.cpu_engine_memory import OccupationError, release_memory, requested_tags, resume_memory
-from artsg_nb.cpu_engine_model import AdapterError
-from artsg_nb.cpu_engine_protocol import (BadRequest, chat_requests, chat_response, generate_requests,
-                                          generate_response)
-from artsg_nb.cpu_engine_sampling import SamplingParams, SamplingParamsError
-from artsg_nb.cpu_engine_scheduler import Request
-
-if TYPE_CHECKING:  # cpu_engine imports this module in main(); avoid the cycle at run time
-    from artsg_nb.cpu_engine import Engine
+from .engine import Engine
+from .memory import OccupationError, requested_tags
+from .model import AdapterError
+from .protocol import BadRequest, chat_requests, chat_response, generate_requests, generate_response
+from .request import Request
+from .sampling import RequestSampling, RequestSamplingError
 
 FLUSH_NOTE = ("Please check backend logs for more details. "
               "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -100,7 +98,7 @@ def _add_info_routes(app: FastAPI, engine: Engine) -> None:
     async def health_generate():
         if not engine.healthy() or engine.memory.refusal():
             return Response(status_code=503)
-        req = Request(input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        req = Request(input_ids=[0], params=RequestSampling(max_new_tokens=1, temperature=0.0))
         try:
             await asyncio.wait_for(engine.run([req]), HEALTH_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -153,7 +151,7 @@ def _add_generate_routes(app: FastAPI, engine: Engine) -> None:
         try:
             body = await _json_body(request)
             reqs, is_batch = generate_requests(body, engine.runner, engine.resolve_adapter)
-        except SamplingParamsError as e:
+        except RequestSamplingError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
         except BadRequest as e:
             return _error(str(e))
@@ -178,7 +176,7 @@ def _add_generate_routes(app: FastAPI, engine: Engine) -> None:
             reqs = chat_requests(body, engine.runner, engine.resolve_adapter, engine.served_model_name)
             if refused := engine.memory.refusal():
                 raise BadRequest(refused)
-        except (BadRequest, SamplingParamsError) as e:
+        except (BadRequest, RequestSamplingError) as e:
             return JSONResponse({"object": "error", "message": str(e), "type": "BadRequestError",
                                  "param": None, "code": 400}, status_code=400)
         await engine.run(reqs)
@@ -251,11 +249,11 @@ def _add_control_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(request: HttpRequest):
-        return await _memory_call(engine, request, release_memory)
+        return await _memory_call(engine, request, engine.release_memory)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: HttpRequest):
-        return await _memory_call(engine, request, resume_memory)
+        return await _memory_call(engine, request, engine.resume_memory)
 
 
 async def _memory_call(engine: Engine, request: HttpRequest, action) -> JSONResponse:
@@ -263,7 +261,7 @@ async def _memory_call(engine: Engine, request: HttpRequest, action) -> JSONResp
     if not engine.healthy():
         return _not_ready()
     try:
-        await action(engine, requested_tags(await _json_body(request)))
+        await action(requested_tags(await _json_body(request)))
     except (BadRequest, OccupationError) as e:
         return _error(str(e))
     return JSONResponse(None)

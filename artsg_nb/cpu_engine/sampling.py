@@ -33,13 +33,14 @@ NEUTRAL_VALUES = {
 }
 
 
-class SamplingParamsError(ValueError):
+class RequestSamplingError(ValueError):
     """A `sampling_params` dict that breaks the contract (HTTP 400 `{"error": msg}`)."""
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling settings (SGLang names and defaults)."""
+class RequestSampling:
+    """One request's sampling settings as the server reads its `sampling_params` JSON (SGLang names
+    and defaults); the training side builds that JSON in client.py."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -61,23 +62,23 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
 
-def parse_sampling_params(raw: dict | None) -> SamplingParams:
-    """SamplingParams from a request's `sampling_params`; SamplingParamsError if invalid."""
+def parse_sampling_params(raw: dict | None) -> RequestSampling:
+    """RequestSampling from a request's `sampling_params`; RequestSamplingError if invalid."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise SamplingParamsError("sampling_params must be a JSON object")
+        raise RequestSamplingError("sampling_params must be a JSON object")
     unknown = sorted(set(raw) - SUPPORTED_KEYS - set(NEUTRAL_VALUES))
     if unknown:
-        raise SamplingParamsError(f"Unknown sampling_params key(s): {unknown}. "
+        raise RequestSamplingError(f"Unknown sampling_params key(s): {unknown}. "
                                   "The seed key is sampling_seed, not seed.")
     for key, neutral in NEUTRAL_VALUES.items():
         if key in raw and raw[key] not in (neutral, None):
-            raise SamplingParamsError(f"sampling_params.{key}={raw[key]!r} is not supported by the CPU engine")
+            raise RequestSamplingError(f"sampling_params.{key}={raw[key]!r} is not supported by the CPU engine")
     stop = raw.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     try:
-        params = SamplingParams(
+        params = RequestSampling(
             max_new_tokens=int(_get(raw, "max_new_tokens", 128)),
             temperature=float(_get(raw, "temperature", 1.0)),
             top_p=float(_get(raw, "top_p", 1.0)),
@@ -94,7 +95,7 @@ def parse_sampling_params(raw: dict | None) -> SamplingParams:
             sampling_seed=None if raw.get("sampling_seed") is None else int(raw["sampling_seed"]),
         )
     except (TypeError, ValueError) as e:
-        raise SamplingParamsError(f"invalid sampling_params: {e}") from e
+        raise RequestSamplingError(f"invalid sampling_params: {e}") from e
     _check_ranges(params)
     return params
 
@@ -104,7 +105,7 @@ def _get(raw: dict, key: str, default):
     return default if value is None else value
 
 
-def _check_ranges(p: SamplingParams) -> None:
+def _check_ranges(p: RequestSampling) -> None:
     problems = []
     if p.max_new_tokens < 0:
         problems.append(f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
@@ -121,10 +122,10 @@ def _check_ranges(p: SamplingParams) -> None:
     if not all(isinstance(s, str) for s in p.stop):
         problems.append("stop must be a string or a list of strings")
     if problems:
-        raise SamplingParamsError("; ".join(problems))
+        raise RequestSamplingError("; ".join(problems))
 
 
-def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
+def sample_tokens(logits: torch.Tensor, params: list[RequestSampling],
                   generators: list[torch.Generator | None],
                   banned: list[frozenset[int]]) -> tuple[list[int], torch.Tensor]:
     """Sample one token per row.
@@ -149,7 +150,7 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams],
     return tokens, logprobs
 
 
-def _filtered_probs(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def _filtered_probs(probs: torch.Tensor, p: RequestSampling) -> torch.Tensor:
     """Apply top-k, top-p and min-p to one row of probabilities (renormalised by multinomial)."""
     if p.top_k > 0 and p.top_k < probs.numel():
         kth = torch.topk(probs, p.top_k).values[-1]

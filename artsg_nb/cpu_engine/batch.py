@@ -6,21 +6,17 @@ adapter); joins prefilled requests, drops finished ones (trimming columns that b
 in every row) and hands back a finished row's KV for the radix cache.
 
 What it deliberately does not do: paged or preallocated KV (DynamicCache concatenates each
-step), preemption, or any scheduling decision (cpu_engine_scheduler.py makes them).
+step), preemption, or any scheduling decision (scheduler.py makes them).
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from artsg_nb.cpu_engine_model import ModelRunner
-
-if TYPE_CHECKING:
-    from artsg_nb.cpu_engine_scheduler import Request
+from .model import ModelRunner
+from .request import Request
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (1, heads, tokens, head_dim) k and v
 

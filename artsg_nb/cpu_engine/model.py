@@ -6,7 +6,7 @@ modules, no DoRA, no added tokens); loads and deletes adapters under their load 
 forward pass over a batch whose rows may each use a different adapter (PEFT's mixed-adapter
 batches, `adapter_names=[...]`, "__base__" for the base model), continuing from a KV cache.
 
-What it deliberately does not do: schedule, sample or cache anything (cpu_engine_scheduler.py
+What it deliberately does not do: schedule, sample or cache anything (scheduler.py
 does), quantise, use CUDA, shard weights, or merge adapters into the base weights. Every method
 that touches the model must be called from the one scheduler thread.
 """

@@ -8,7 +8,7 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "RunConfig": "session", "GRPORun": "session",
+    "RunConfig": "run_config", "GRPORun": "session",
     "GRPOConfig": "grpo",
     "ServerConfig": "server", "start_server": "server",
     "list_gpus": "gpus", "plan_gpus": "gpus",
@@ -19,6 +19,11 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+
+def __dir__() -> list[str]:
+    """Tab completion on `ag.` lists the exported names (they are imported on first use)."""
+    return sorted({n for n in globals() if not n.startswith("_")} | set(_EXPORTS))
 
 
 def __getattr__(name):

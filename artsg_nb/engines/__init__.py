@@ -13,11 +13,12 @@ hit rates (metrics.py); those read the specs.
 from __future__ import annotations
 
 from . import cpu, sglang, vllm
-from .base import (DEFAULT_TAGS, MEMORY_TAGS, EngineClient, EngineSpec, Generation, SamplingParams, memory_tags,
+from .base import (DEFAULT_TAGS, MEMORY_TAGS, EngineClient, Generation, SamplingParams, memory_tags,
                    run_sync)
 from .errors import (AdapterExistsError, AdapterRankError, EngineError, MemorySaverError, ServerUnavailableError,
                      UnknownAdapterError)
 from .sglang import SGLangClient
+from .spec import EngineSpec
 from .vllm import VLLMClient
 
 _SPECS = {spec.name: spec for spec in (sglang.SPEC, vllm.SPEC, cpu.SPEC)}

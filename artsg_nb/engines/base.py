@@ -5,9 +5,7 @@ ids in and token ids + logprobs out, chat, load/unload LoRA adapters, flush the 
 scrape /metrics, release/resume the server's GPU memory around training — and the HTTP/SSE
 plumbing under it (pooled httpx clients, one retry of a request the server dropped on a
 kept-alive connection, error bodies of every engine turned into `EngineError` subclasses with
-what to try). `EngineSpec` is the record each engine module fills in: how to launch it, where its
-environment is found, which metrics hold its prefix-cache counters, which client speaks to it.
-Also here: the vocabulary of memory release (`MEMORY_TAGS`), and `run_sync`.
+what to try). Also here: the vocabulary of memory release (`MEMORY_TAGS`), and `run_sync`.
 
 What it does not do: anything that differs between engines (sglang.py, vllm.py, cpu.py), start
 servers (server.py), schedule requests (rollout.py), or retry beyond that one dropped connection.
@@ -25,8 +23,8 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import httpx
 
@@ -370,57 +368,6 @@ def chat_payload(model: str, messages: list[dict], params: SamplingParams, logpr
     return {**payload, **extra}
 
 
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """Everything engine-specific that is not the HTTP dialect: launch, environment, metrics.
-
-    server.py, server_env.py and metrics.py read these fields instead of keeping tables keyed by
-    engine name; `engines.get(name)` returns one.
-    """
-
-    name: str
-    """"sglang", "vllm" or "cpu"."""
-    client_class: type
-    """The EngineClient subclass that speaks this engine's API."""
-    entry: str
-    """Module the server runs as (`python -m <entry> ...`)."""
-    package: str
-    """Package imported to check a server environment (its __version__ is reported)."""
-    launch_args: Callable[[Any, int], list[str]]
-    """(ServerConfig, port) → the engine's flags, before ServerConfig.extra_args."""
-    validate: Callable[[Any], None] = lambda cfg: None
-    """Raise ValueError for a ServerConfig this engine cannot run (e.g. vLLM's LoRA ranks)."""
-    server_env: Mapping[str, str] = field(default_factory=dict)
-    """Variables every server of this engine needs (vLLM: runtime LoRA loading, dev routes)."""
-    ignored_options: tuple[str, ...] = ()
-    """ServerConfig fields the engine has no flag for (logged when set, not fatal)."""
-    startup_timeout_s: float = 600.0
-    """Default seconds to wait for /health (a first GPU start compiles kernels)."""
-    python_var: str | None = None
-    """Variable naming the server environment's interpreter; None: the kernel's own."""
-    pythonpath_var: str | None = None
-    """Variable holding PYTHONPATH entries for the server process only (offline bundles)."""
-    env_var: str | None = None
-    """Variable holding KEY=VALUE pairs for the server process only."""
-    conda_env: str | None = None
-    """Conda environment searched by name."""
-    venv_dir: str | None = None
-    """Virtual environment searched at the repository root and the working directory."""
-    create_commands: tuple[str, str] | None = None
-    """(conda command, make target) that create the server environment."""
-    metric_prefix: str = "sglang:"
-    """Prefix of this engine's Prometheus metrics."""
-    prompt_counters: tuple[str, ...] = ()
-    """Prompt-token counter sample names, first present wins (see metrics.py)."""
-    cached_counters: tuple[str, ...] = ()
-    """Cached-token counter sample names, first present wins."""
-
-    @property
-    def args_var(self) -> str:
-        """$ARTSG_<ENGINE>_ARGS: extra server flags (e.g. an offline GPU bundle's backends)."""
-        return f"ARTSG_{self.name.upper()}_ARGS"
 
 
 def run_sync(coro):

@@ -10,7 +10,7 @@ package.
 """
 from __future__ import annotations
 
-from .base import EngineSpec
+from .spec import EngineSpec
 from .sglang import SPEC as SGLANG
 from .sglang import SGLangClient
 

@@ -42,9 +42,10 @@ import logging
 import time
 from typing import Iterable
 
-from .base import (DEFAULT_TAGS, EngineClient, EngineSpec, Generation, SamplingParams, chat_payload, memory_tags,
+from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, saver_problem)
 from .errors import EngineError, MemorySaverError
+from .spec import EngineSpec
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,10 @@ import logging
 import time
 from typing import Any
 
-from .base import (DEFAULT_TAGS, EngineClient, EngineSpec, Generation, SamplingParams, chat_payload, memory_tags,
+from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, response_body, saver_problem)
 from .errors import EngineError, MemorySaverError
+from .spec import EngineSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,28 @@
+"""The package's structure as a checked contract: import-linter's contracts in pyproject.toml
+(layers only import downward, no import circles at any depth, the CPU engine imports nothing of
+the training side), and no module grown past what one reader takes in at once."""
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "artsg_nb"
+MAX_LINES = 420
+LONG_ON_PURPOSE: dict[str, str] = {
+    "tiny_model.py": "one recipe, top to bottom: tokenizer, config, scripted corpus, pretraining, save",
+    "rollout.py": "one algorithm: play a group's episodes turn by turn under a submission schedule",
+    "server.py": "one process lifecycle: config, command line, start, readiness, stop, records",
+}
+"""Modules allowed past MAX_LINES, with the reason they read as one thing."""
+
+
+def test_import_contracts_are_kept():
+    lint = Path(sys.executable).with_name("lint-imports")
+    out = subprocess.run([str(lint), "--no-cache"], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"an import contract is broken (pyproject.toml [tool.importlinter]):\n{out.stdout[-4000:]}{out.stderr[-2000:]}"
+    assert "0 broken" in out.stdout
+
+
+def test_no_module_is_longer_than_one_reading():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES and str(p.relative_to(PACKAGE)) not in LONG_ON_PURPOSE}
+    assert not long, f"modules over {MAX_LINES} lines (split them, or say in LONG_ON_PURPOSE why they read as one): {long}"

@@ -3,7 +3,7 @@
 The names a notebook needs are re-exported here (imported lazily, so `import artsg_nb` stays
 cheap and touches no CUDA); everything else is reachable by module.
 """
-from importlib import import_module
+from importlib import import_module as _import_module
 
 __version__ = "0.1.0"
 
@@ -28,5 +28,5 @@ def __dir__() -> list[str]:
 
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+        return getattr(_import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module 'artsg_nb' has no attribute {name!r}")

@@ -122,14 +122,14 @@ def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> 
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
 
 
 def turn_end_text(tokenizer, messages: list[dict]) -> str:
     """What the template writes after an assistant reply (ChatML: "<|im_end|>\\n")."""
-    text = render_text(tokenizer, messages + [{"role": "assistant", "content": _SENTINEL}], False)
+    text = chat_text(tokenizer, messages + [{"role": "assistant", "content": _SENTINEL}], False)
     if _SENTINEL not in text:
         raise RolloutError("the chat template dropped the assistant content; cannot find where an "
                            "assistant turn ends")
@@ -167,8 +167,8 @@ def env_suffix_ids(tokenizer, history_ids: list[int], messages: list[dict],
         full = render_ids(tokenizer, messages + new_messages, add_generation_prompt=True)
         if full[:len(known)] == known:
             return added + full[len(known):], False
-    previous = render_text(tokenizer, messages, add_generation_prompt=False)
-    whole = render_text(tokenizer, messages + new_messages, add_generation_prompt=True)
+    previous = chat_text(tokenizer, messages, add_generation_prompt=False)
+    whole = chat_text(tokenizer, messages + new_messages, add_generation_prompt=True)
     if not whole.startswith(previous):
         raise RolloutError("the chat template re-renders earlier turns when a message is added; "
                            "multi-turn token histories need an append-only template")

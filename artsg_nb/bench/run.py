@@ -40,6 +40,7 @@ from .workloads import SyntheticTask
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class BenchConfig:
     """One benchmark invocation (the CLI flags, one field each)."""
@@ -335,6 +336,8 @@ async def _with_client(client, cfg: BenchConfig, radix: bool, model: str) -> lis
     finally:
         await client.aclose()
 
+
+# ---------------------------------------------------------------------------- per engine
 
 def engine_availability(plan) -> pd.DataFrame:
     """Which engines can run here: the CPU engine without a GPU; SGLang and vLLM with one, when

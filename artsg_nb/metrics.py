@@ -1,4 +1,5 @@
-"""Prefix-cache hit rates from an engine's Prometheus /metrics text.
+"""Prefix-cache hit rates: measured from an engine's Prometheus /metrics text, per turn of a
+rollout batch, and the theoretical maximum of a batch.
 
 What it does: parse the text with prometheus_client's parser, sum every sample over its label
 values, and read the token counters the hit rate comes from:
@@ -13,6 +14,10 @@ timestamped scrapes for the dashboard's trend and the per-step numbers.
 
 The counter names are each engine's (engines.get(name).prompt_counters / cached_counters).
 
+`theoretical_hit_rate(groups)` is what a perfect cache would reuse in a batch of trajectories
+(overall, or per model turn); `turn_hit_rates(groups)` tabulates the server's per-turn prompt and
+cached token counts next to it (the table notebook 02 shows).
+
 What it does not do: scrape (EngineClient.metrics_text does) or use the `sglang:cache_hit_rate` gauge:
 that gauge covers only the most recent prefill batch, so it is never a cumulative or windowed
 rate. Counters are the only sound source.
@@ -23,7 +28,9 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import Sequence
 
+import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 
 from . import engines
@@ -135,3 +142,64 @@ class HitRateTracker:
         ends = [t for t, _ in self.samples][1:]
         pairs = list(zip(ends, self.trend()))
         return pairs if n is None else pairs[-n:]
+
+
+# ---------------------------------------------------------------------------- a batch's hit rates
+
+TURN_COLUMNS = ["turn", "episodes", "prompt_tokens", "cached_tokens", "computed_tokens", "hit_rate",
+                "theoretical"]
+"""Columns of `turn_hit_rates` (bench.compare_schedules adds "schedule" and "rollout_s")."""
+
+
+def theoretical_hit_rate(groups: Sequence, by_turn: bool = False) -> float | None | dict[int, float]:
+    """Cached / prompt tokens of a batch if the prefix cache reused everything reusable in it.
+
+    Definition, over the trajectories without an error (failed ones are left out): the prompt of
+    model turn k is `token_ids[:start_k]` (`Trajectory.model_segments`). At turn 1 an opening
+    prompt is reusable in full when an identical one came earlier in the batch (every copy but
+    the first, across groups too: identical prompts share one cache entry); at turn k > 1 the
+    episode's own history up to the end of reply k-1 is reusable. An upper bound up to one token
+    per request (engines recompute the last prompt token to get its logits); episodes whose
+    replies happen to coincide can beat it slightly, since their histories share more.
+
+    Returns the rate over all turns (None when there is no prompt token), or with `by_turn` a
+    dict turn (1, 2, ...) → that turn's rate.
+    """
+    prompt: dict[int, int] = {}
+    reusable: dict[int, int] = {}
+    seen: set[tuple[int, ...]] = set()
+    for traj in (t for g in groups for t in g.trajectories if t.error is None):
+        segments = traj.model_segments()
+        for turn, (start, _) in enumerate(segments, start=1):
+            if turn == 1:
+                opening = tuple(traj.token_ids[:start])
+                reused = start if opening in seen else 0
+                seen.add(opening)
+            else:
+                reused = segments[turn - 2][1]
+            prompt[turn] = prompt.get(turn, 0) + start
+            reusable[turn] = reusable.get(turn, 0) + reused
+    if by_turn:
+        return {turn: reusable[turn] / prompt[turn] for turn in prompt if prompt[turn]}
+    total = sum(prompt.values())
+    return sum(reusable.values()) / total if total else None
+
+
+def turn_hit_rates(groups: Sequence) -> pd.DataFrame:
+    """Prompt / cached tokens per model turn (`Trajectory.turn_stats`, as the server reported
+    them), summed over every episode that played that turn, failed ones included; with the hit
+    rate and `theoretical_hit_rate(groups, by_turn=True)`. Columns: TURN_COLUMNS."""
+    rows: dict[int, dict] = {}
+    for traj in (t for g in groups for t in g.trajectories):
+        for turn, stats in enumerate(traj.turn_stats, start=1):
+            row = rows.setdefault(turn, {"turn": turn, "episodes": 0, "prompt_tokens": 0, "cached_tokens": 0})
+            row["episodes"] += 1
+            row["prompt_tokens"] += stats["prompt_tokens"]
+            row["cached_tokens"] += stats["cached_tokens"]
+    table = pd.DataFrame(sorted(rows.values(), key=lambda r: r["turn"]),
+                         columns=["turn", "episodes", "prompt_tokens", "cached_tokens"])
+    table["computed_tokens"] = table["prompt_tokens"] - table["cached_tokens"]
+    table["hit_rate"] = table["cached_tokens"] / table["prompt_tokens"].where(table["prompt_tokens"] > 0)
+    theory = theoretical_hit_rate(groups, by_turn=True)
+    table["theoretical"] = [theory.get(turn, float("nan")) for turn in table["turn"]]
+    return table[TURN_COLUMNS]

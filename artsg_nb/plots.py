@@ -3,14 +3,15 @@
 `plot_*(df, ax=None)` draw one History column family (docs/internals.md, "History columns") on
 one Axes and return it; `plot_training` puts six of them in a 2×3 grid; `LivePlot` redraws that
 grid in place after each step (one IPython display handle in Jupyter, a PNG file elsewhere);
-`plot_engine_comparison` draws the benchmark table from bench.py as grouped bars.
+`plot_engine_comparison` draws the benchmark table from bench.run as grouped bars;
+`plot_turn_hit_rates` draws metrics.turn_hit_rates (one colour per schedule when compared).
 
 Every function accepts empty frames, missing columns and NaN values: a panel with nothing to
 show says "no data" instead of raising. Nothing here computes metrics or reads files.
 
-Figures made here (`plot_training`, `LivePlot`, `plot_engine_comparison`) are created through
-pyplot (which loads the kernel's backend and its image formatter) and closed at once with
-`plt.close`: in a notebook they appear once, when displayed or returned from a cell, never a
+Figures made here (`plot_training`, `LivePlot`, `plot_engine_comparison`,
+`plot_turn_hit_rates`) are created through pyplot (which loads the kernel's backend and its image
+formatter) and closed at once with `plt.close`: in a notebook they appear once, when displayed or returned from a cell, never a
 second time through the inline backend's end-of-cell flush. `plot_*` with `ax=None` follows the
 matplotlib convention and draws on a new, open pyplot figure.
 """
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 TRAINING_FIGSIZE = (13.0, 6.5)
 ENGINE_COLORS = {"sglang": "tab:blue", "vllm": "tab:orange", "cpu": "tab:gray"}
+SCHEDULE_COLORS = {"naive": "tab:orange", "prefix": "tab:blue", "prefix_sync": "tab:cyan",
+                   "prefix_n": "tab:green", "n": "tab:purple"}
 
 
 # ---------------------------------------------------------------- training curves (History df)
@@ -326,6 +329,32 @@ def _bench_legend(axes: Sequence[Axes], own_figure: bool) -> None:
                               ncol=len(handles), frameon=False)
     else:
         axes[0].legend(handles.values(), handles.keys(), fontsize="small")
+
+
+# ---------------------------------------------------------------- per-turn hit rates (turn table)
+
+def plot_turn_hit_rates(table: pd.DataFrame, ax: Axes | None = None) -> Figure:
+    """Hit rate per turn as bars (grouped by `schedule` when the table has one), the theoretical
+    maximum as a dashed tick over each bar."""
+    if ax is None:
+        fig = new_figure((8, 3.6))
+        ax = fig.subplots()
+        fig.subplots_adjust(left=0.09, right=0.8, bottom=0.14, top=0.9)
+    table = table if "schedule" in table else table.assign(schedule="")
+    schedules = list(dict.fromkeys(table["schedule"]))
+    width = 0.8 / max(len(schedules), 1)
+    for i, schedule in enumerate(schedules):
+        rows = table[table["schedule"] == schedule]
+        x = rows["turn"].to_numpy(dtype=float) - 0.4 + width * (i + 0.5)
+        bars = ax.bar(x, rows["hit_rate"].fillna(0), width, label=schedule or None,
+                      color=SCHEDULE_COLORS.get(schedule, "tab:blue"))
+        ax.bar_label(bars, fmt="%.2f", fontsize="x-small", padding=2)
+        ax.hlines(rows["theoretical"], x - width / 2, x + width / 2, colors="black", linestyles="--")
+    ax.plot([], [], color="black", linestyle="--", label="theoretical")
+    ax.set_xticks(sorted(table["turn"].unique()))
+    ax.set(xlabel="turn", ylabel="hit rate", ylim=(0, 1.12), title="prefix-cache hit rate per turn")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    return ax.figure
 
 
 # ---------------------------------------------------------------- helpers

@@ -91,12 +91,24 @@ class Trajectory:
     """Server finish reason per model turn: "stop" | "length" | "abort"."""
     turn_stats: list[dict] = field(default_factory=list)
     """Per model turn: {"prompt_tokens", "cached_tokens"} as the server reported them (the sums
-    are `prompt_tokens` / `cached_tokens`); analysis.turn_hit_rates tabulates them."""
+    are `prompt_tokens` / `cached_tokens`); metrics.turn_hit_rates tabulates them."""
 
     @property
     def valid(self) -> bool:
         """Usable for training: no error and a finite reward."""
         return self.error is None and self.reward is not None and math.isfinite(self.reward)
+
+    def model_segments(self) -> list[tuple[int, int]]:
+        """(start, end) of each run of model tokens (mask 1) in `token_ids`, in order: model
+        turn k's prompt is `token_ids[:start_k]`, its reply `token_ids[start_k:end_k]`."""
+        runs, start = [], None
+        for i, m in enumerate(self.completion_mask + [0]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                runs.append((start, i))
+                start = None
+        return runs
 
 
 @dataclass

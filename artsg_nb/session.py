@@ -145,6 +145,17 @@ class GRPORun:
                 on_step(row)
         return self.history
 
+    async def rollouts(self, seeds, schedule: str | None = None, flush_cache: bool = True) -> list:
+        """One group per env seed from the server under the current adapter, outside training:
+        nothing is trained on them and the history is not touched. `schedule` defaults to the
+        run's; with `flush_cache` the prefix cache is emptied first, so what is cached was cached
+        by this batch (e.g. to compare schedules, bench.compare_schedules)."""
+        if self.trainer is None:
+            raise RuntimeError("call start() before rollouts()")
+        if flush_cache:
+            await self.client.flush_cache(timeout_s=30)
+        return await self._collect(list(seeds), schedule or self.cfg.schedule)
+
     # ---- internals -----------------------------------------------------------------------------
     def _start_server(self, engine: str, model_path: str):
         cfg = self.cfg
@@ -193,18 +204,21 @@ class GRPORun:
         return self.cfg.seed * 1_000_003 + step
 
     async def _rollouts(self, step: int):
-        cfg = self.cfg
-        params = SamplingParams(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
-                                temperature=cfg.temperature)
         before = cache_counters(await self.client.metrics_text(), self.tracker.engine)
-        groups = await collect_groups(self.client, self.task, self.trainer.tokenizer, self._seeds(step),
-                                      cfg.group_size, params, adapter=self.adapter, concurrency=cfg.concurrency,
-                                      schedule=cfg.schedule, max_seq_tokens=cfg.max_seq_tokens,
-                                      sampling_seed_base=self._sampling_seed_base(step))
+        groups = await self._collect(self._seeds(step), self.cfg.schedule, self._sampling_seed_base(step))
         await self._raise_if_server_lost(groups)
         text = await self.client.metrics_text()
         self.tracker.add_sample(text)
         return groups, hit_rate(before, cache_counters(text, self.tracker.engine))
+
+    async def _collect(self, seeds: list[int], schedule: str, sampling_seed_base: int | None = None):
+        """The run's collect_groups call: its task, tokenizer, group size, sampling and budget."""
+        cfg = self.cfg
+        params = SamplingParams(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
+                                temperature=cfg.temperature)
+        return await collect_groups(self.client, self.task, self.trainer.tokenizer, seeds, cfg.group_size,
+                                    params, adapter=self.adapter, concurrency=cfg.concurrency, schedule=schedule,
+                                    max_seq_tokens=cfg.max_seq_tokens, sampling_seed_base=sampling_seed_base)
 
     async def _train(self, groups) -> tuple[dict, float, tuple]:
         """trainer.train_step, with the server's memory released around it when `self.release`.

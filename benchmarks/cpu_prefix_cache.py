@@ -19,8 +19,8 @@ prefix-cache hit rate measured from /metrics (Δ sglang:cached_tokens_total /
 The engine recomputes the last prompt token of every request (as SGLang does), so the best
 reachable rate is (G-1)/G · (L-1)/L for a prompt of L tokens; both are printed.
 
-What it does not do: compare with SGLang or vLLM (bench.py does, on a GPU), measure decode-heavy
-loads, or test correctness (tests/cpu_engine/test_cpu_engine.py does).
+What it does not do: compare with SGLang or vLLM (artsg_nb.bench does, on a GPU), measure
+decode-heavy loads, or test correctness (tests/cpu_engine/test_cpu_engine.py does).
 """
 
 from __future__ import annotations

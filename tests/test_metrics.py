@@ -1,12 +1,14 @@
-"""metrics.py on the /metrics text recorded from SGLang 0.5.14, on synthetic vLLM text, and the
-windowed hit-rate arithmetic on hand-worked numbers."""
+"""metrics.py on the /metrics text recorded from SGLang 0.5.14, on synthetic vLLM text, the
+windowed hit-rate arithmetic on hand-worked numbers, and a batch's per-turn and theoretical hit
+rates on hand-built trajectories."""
 
 from __future__ import annotations
 
 import pytest
 
-from artsg_nb.metrics import (CacheCounters, HitRateTracker, MetricsError, cache_counters,
-                              cumulative_hit_rate, hit_rate, parse_metrics)
+from artsg_nb.metrics import (TURN_COLUMNS, CacheCounters, HitRateTracker, MetricsError, cache_counters,
+                              cumulative_hit_rate, hit_rate, parse_metrics, theoretical_hit_rate, turn_hit_rates)
+from artsg_nb.rollout import Trajectory, TrajectoryGroup
 from sglang_fixtures import fixture
 
 # vLLM exposition: counters declared without _total, samples with it; labels model_name, engine.
@@ -108,3 +110,82 @@ def test_tracker_reads_metrics_text():
     tracker = HitRateTracker(engine="sglang")
     tracker.add_sample(fixture("metrics.txt"))
     assert tracker.cumulative() == pytest.approx(35 / 177) and tracker.last_window() is None
+
+
+# ---------------------------------------------------------------------------- a batch's hit rates
+
+OPENING = [1, 2, 3, 4]
+
+
+def traj(segments, turn_stats, error=None):
+    """A trajectory: the shared 4-token opening, then (kind, ids) segments; "m" = model tokens."""
+    ids, mask = list(OPENING), [0] * len(OPENING)
+    for kind, seg in segments:
+        ids += seg
+        mask += [1 if kind == "m" else 0] * len(seg)
+    return Trajectory(messages=[], token_ids=ids, completion_mask=mask, logprobs=[0.0] * len(ids),
+                      reward=0.0, error=error, turns=len(turn_stats), turn_stats=turn_stats)
+
+
+def stats(prompt, cached):
+    return {"prompt_tokens": prompt, "cached_tokens": cached}
+
+
+@pytest.fixture
+def two_turn_group():
+    # a: opening(4) reply(2) env(2) reply(1): turn 2 prompt = 8 tokens, history to end of reply 1 = 6
+    a = traj([("m", [10, 11]), ("e", [20, 21]), ("m", [12])], [stats(4, 0), stats(8, 6)])
+    # b: opening(4) reply(1) env(1) reply(1): turn 2 prompt = 6 tokens, history = 5
+    b = traj([("m", [13]), ("e", [22]), ("m", [14])], [stats(4, 3), stats(6, 5)])
+    return [TrajectoryGroup(seed=0, trajectories=[a, b])]
+
+
+def test_turn_hit_rates_sum_per_turn(two_turn_group):
+    table = turn_hit_rates(two_turn_group).set_index("turn")
+    assert table.loc[1, ["episodes", "prompt_tokens", "cached_tokens", "computed_tokens"]].tolist() == [2, 8, 3, 5]
+    assert table.loc[1, "hit_rate"] == pytest.approx(3 / 8)
+    assert table.loc[2, "hit_rate"] == pytest.approx(11 / 14)
+
+
+def test_theoretical_turn_one_reuses_every_copy_but_the_first_later_turns_their_history(two_turn_group):
+    table = turn_hit_rates(two_turn_group).set_index("turn")
+    assert table.loc[1, "theoretical"] == pytest.approx(4 / 8)     # b reuses a's opening
+    assert table.loc[2, "theoretical"] == pytest.approx((6 + 5) / (8 + 6))
+
+
+def test_identical_openings_share_across_groups_and_failed_episodes_count_only_as_measured():
+    a = traj([("m", [10])], [stats(4, 0)])
+    b = traj([("m", [11])], [stats(4, 3)])
+    failed = traj([], [stats(4, 3)], error="RolloutError: boom")
+    table = turn_hit_rates([TrajectoryGroup(0, [a]), TrajectoryGroup(1, [b, failed])])
+    assert table["episodes"].tolist() == [3]
+    assert table["hit_rate"].iloc[0] == pytest.approx(6 / 12)
+    assert table["theoretical"].iloc[0] == pytest.approx(4 / 8)
+
+
+def test_no_turns_gives_an_empty_table():
+    table = turn_hit_rates([TrajectoryGroup(0, [traj([], [], error="x")])])
+    assert table.empty and list(table.columns) == TURN_COLUMNS
+
+
+def test_theoretical_hit_rate_by_hand():
+    def traj(mask):
+        return Trajectory(messages=[], token_ids=list(range(len(mask))), completion_mask=mask,
+                          logprobs=[0.0] * len(mask))
+    # two samples of a 4-token prompt, 2 model tokens, 3 env tokens, 2 model tokens
+    mask = [0] * 4 + [1] * 2 + [0] * 3 + [1] * 2
+    group = TrajectoryGroup(0, [traj(mask), traj(mask)])
+    # prompts: 4 + 9 per sample = 26; reusable: 4 (second sample's turn 1) + 6 + 6 (turn-2 history)
+    assert theoretical_hit_rate([group]) == pytest.approx(16 / 26)
+
+
+def test_overall_theoretical_rate_is_the_token_weighted_mean_of_the_turns(two_turn_group):
+    by_turn = theoretical_hit_rate(two_turn_group, by_turn=True)
+    assert by_turn == pytest.approx({1: 4 / 8, 2: (6 + 5) / (8 + 6)})
+    assert theoretical_hit_rate(two_turn_group) == pytest.approx((4 + 6 + 5) / (8 + 14))
+
+
+def test_theoretical_hit_rate_without_prompts_is_none():
+    failed = traj([], [], error="RolloutError: boom")
+    assert theoretical_hit_rate([TrajectoryGroup(0, [failed])]) is None
+    assert theoretical_hit_rate([TrajectoryGroup(0, [failed])], by_turn=True) == {}

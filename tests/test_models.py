@@ -97,7 +97,7 @@ def test_cpu_engine_serves_it_with_and_without_lora(model_dir, tokenizer, tmp_pa
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from artsg_nb.client import SamplingParams
+    from artsg_nb.engines import SamplingParams
     from artsg_nb.server import ServerConfig, start_server
 
     torch.manual_seed(0)

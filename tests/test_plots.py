@@ -153,3 +153,12 @@ def test_returned_figures_are_closed_for_pyplot():
     plots.plot_training(history_df())
     plots.plot_engine_comparison(bench_df())
     assert plt.get_fignums() == []  # so the inline backend does not show them a second time
+
+
+def test_plot_turn_hit_rates_groups_bars_by_schedule():
+    table = pd.DataFrame({"turn": [1, 2], "episodes": [2, 2], "prompt_tokens": [8, 14], "cached_tokens": [3, 11],
+                          "computed_tokens": [5, 3], "hit_rate": [3 / 8, 11 / 14], "theoretical": [0.5, 11 / 14]})
+    both = pd.concat([table.assign(schedule="naive"), table.assign(schedule="prefix")])
+    fig = plots.plot_turn_hit_rates(both)
+    assert len(fig.axes[0].patches) == 4    # 2 turns x 2 schedules
+    assert len(plots.plot_turn_hit_rates(table).axes[0].patches) == 2

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from artsg_nb.engines import Generation
-from artsg_nb.rollout import (SCHEDULES, collect_groups, env_suffix_ids, render_ids, rollout_stats,
-                              turn_end_text)
+from artsg_nb.rollout import (SCHEDULES, Trajectory, collect_groups, env_suffix_ids, render_ids,
+                              rollout_stats, turn_end_text)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -140,6 +140,13 @@ def run(coro):
 
 
 # ------------------------------------------------------------------------------ tokenisation
+
+def test_model_segments_are_the_runs_of_model_tokens():
+    mask = [0, 0, 1, 1, 0, 1, 0, 0, 1]
+    traj = Trajectory(messages=[], token_ids=list(range(len(mask))), completion_mask=mask, logprobs=[0.0] * len(mask))
+    assert traj.model_segments() == [(2, 4), (5, 6), (8, 9)]
+    assert Trajectory(messages=[], token_ids=[1], completion_mask=[0], logprobs=[0.0]).model_segments() == []
+
 
 def test_env_suffix_canonical_reply_uses_full_rendering(chatml_tokenizer):
     tok = chatml_tokenizer
@@ -438,7 +445,7 @@ def test_engine_prefix_schedule_hit_rate(cpu_engine):
     """The CPU engine runs one prefill at a time (each finished prefill is in the radix cache
     before the next starts), so even "naive" reaches the theoretical hit rate there; on SGLang,
     which batches identical prompts into one prefill, only the prefix schedules do."""
-    from artsg_nb.bench_workloads import theoretical_hit_rate
+    from artsg_nb.metrics import theoretical_hit_rate
     from artsg_nb.tasks import get_task
 
     server, tok = cpu_engine

@@ -1,5 +1,6 @@
 """Three GRPO steps through the CPU engine subprocess, the way the quickstart runs them: each step
-loads a new adapter, unloads the old one, and the next rollouts are served by the new one."""
+loads a new adapter, unloads the old one, and the next rollouts are served by the new one; then
+rollouts outside training (GRPORun.rollouts) under the newest adapter."""
 import asyncio
 
 from artsg_nb.session import GRPORun, RunConfig
@@ -25,6 +26,11 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
             assert row["adapter"] == f"policy-step-{step}" and row["probe_mad"] < 0.02
             assert (tmp_path / "run" / "adapters" / f"policy-step-{step}" / "adapter_model.safetensors").exists()
         df = run.history.df
+        # Rollouts outside training: served by the newest adapter, nothing trained or recorded.
+        extra = asyncio.run(run.rollouts([11, 12], schedule="n"))
+        assert [g.seed for g in extra] == [11, 12] and all(len(g.trajectories) == 4 for g in extra)
+        assert {t.adapter for g in extra for t in g.trajectories} == {"policy-step-3"}
+        assert run.trainer.step == 3 and len(run.history.df) == 3
     # Step N's rollouts come from the adapter published after step N-1.
     assert seen == [{"policy-step-0"}, {"policy-step-1"}, {"policy-step-2"}]
     assert list(df["step"]) == [1, 2, 3]

@@ -192,7 +192,7 @@ As in the quickstart: this runs before anything touches CUDA in the kernel. No G
 """),
     code('''
 import artsg_nb as ag
-from artsg_nb import analysis
+from artsg_nb import bench, metrics, plots
 
 plan = ag.plan_gpus(ag.list_gpus())
 print(plan.describe())
@@ -260,12 +260,12 @@ turn the episode's history up to the end of its last reply. A later turn can bea
 episodes that made the same guesses have identical histories, which the cache shares too.
 """),
     code('''
-groups = await analysis.collect_batch(run, schedule="prefix")
-turns = analysis.turn_hit_rates(groups)
+groups = await run.rollouts(bench.held_out_seeds(run), schedule="prefix")
+turns = metrics.turn_hit_rates(groups)
 turns.round(3)
 '''),
     code('''
-analysis.plot_turn_hit_rates(turns)
+plots.plot_turn_hit_rates(turns)
 '''),
     md("""
 ## What the cache saves
@@ -292,9 +292,9 @@ groups of 8). The CPU engine prefills one request at a time, so on CPU both sche
 theoretical rate and the bars match.
 """),
     code('''
-comparison = await analysis.compare_schedules(run, SCHEDULES)
+comparison = await bench.compare_schedules(run, SCHEDULES)
 display(comparison.round(3))
-analysis.plot_turn_hit_rates(comparison)
+plots.plot_turn_hit_rates(comparison)
 '''),
     md("""
 ## Stop
@@ -341,14 +341,14 @@ looked for, and skipped.
 """),
     code('''
 import artsg_nb as ag
-from artsg_nb import analysis
+from artsg_nb import bench
 from artsg_nb.bench import BenchConfig
 
 plan = ag.plan_gpus(ag.list_gpus())
 print(plan.describe())
 if plan.mode != "cpu":  # the reference workload: 8 x 8 samples, ~1,500-token prompts
     GROUPS, GROUP_SIZE, PROMPT_TOKENS, NEW_TOKENS, RADIX, REPEATS = 8, 8, 1500, 128, (True,), 3
-engines = analysis.engine_availability(plan)
+engines = bench.engine_availability(plan)
 engines
 '''),
     md("""
@@ -363,8 +363,8 @@ done; the CSVs go to `RUN_DIR`.
     code('''
 cfg = BenchConfig(groups=GROUPS, group_size=GROUP_SIZE, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS,
                   turns=TURNS, schedules=SCHEDULES, radix=RADIX, repeats=REPEATS, run_dir=RUN_DIR)
-bench = analysis.bench_engines(cfg, engines.engine[engines.available])
-analysis.results_table(bench).round(3)
+runs = bench.bench_engines(cfg, engines.engine[engines.available])
+bench.results_table(runs).round(3)
 '''),
     md("""
 ## Side by side
@@ -376,7 +376,7 @@ it, which is what the `prefix` schedule fixes. CPU timings share 2 cores between
 server: compare them only with each other.
 """),
     code('''
-ag.plot_engine_comparison(bench[bench["mode"] == "toolkit"])
+ag.plot_engine_comparison(runs[runs["mode"] == "toolkit"])
 '''),
     md("""
 ## The committed H200 results
@@ -386,13 +386,13 @@ Benchmarks measured on an H200 host are committed under `benchmarks/results/` (f
 each engine and workload the newest file is shown.
 """),
     code('''
-results = analysis.latest_results(analysis.load_results(RESULTS_DIR, gpu=RESULTS_GPU))
+results = bench.latest_results(bench.load_results(RESULTS_DIR, gpu=RESULTS_GPU))
 if results.empty:
     print(f"No {RESULTS_GPU} results are committed in {RESULTS_DIR} yet: they are added after the "
           "GPU runs (see benchmarks/results/README.md). The plots above are this machine's.")
 else:
-    display(analysis.result_sources(results))
-    display(analysis.results_table(results).round(3))
+    display(bench.result_sources(results))
+    display(bench.results_table(results).round(3))
 '''),
     md("""
 One chart per workload (rows of different shapes are never averaged together). What to look

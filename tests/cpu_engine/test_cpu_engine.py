@@ -541,7 +541,8 @@ def test_metrics_names_match_sglang(http):
 
 
 def test_through_the_client_module(engine, adapters):
-    client_mod = pytest.importorskip("artsg_nb.client")
+    import artsg_nb.engines as client_mod
+
     proc, http = engine
     served = http.get("/model_info").json()["model_path"]
 

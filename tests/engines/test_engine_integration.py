@@ -2,7 +2,7 @@
 
 ARTSG_TEST_ENGINES (default "cpu") lists the engines to run, e.g. "cpu,sglang" on the H200 host
 (where the SGLang parameters carry the gpu and sglang markers). Each engine is started with
-`start_server`, exactly as a notebook does, and every check goes through `artsg_nb.client`.
+`start_server`, exactly as a notebook does, and every check goes through `artsg_nb.engines`.
 """
 import asyncio
 import math

@@ -1,57 +1,51 @@
-"""Benchmarks shaped like GRPO rollouts: throughput, latency, prefix-cache hit rate, reload time.
+"""The benchmark driver: servers, runs, and the measurements each run row holds.
 
 What it does: for each engine setting (radix cache on/off) it starts the server (server.py; or
-uses `--server-url`), then for each submission schedule (rollout.SCHEDULES) plays P prompts x
-G samples x T turns of synthetic text (bench_workloads.SyntheticTask, fixed output length via
+uses `server_url`), then for each submission schedule (rollout.SCHEDULES) plays P prompts x
+G samples x T turns of synthetic text (bench.workloads.SyntheticTask, fixed output length via
 ignore_eos) through the toolkit's own `collect_groups`, and measures:
   wall time, output and total tokens/s, TTFT p50/p95 (streamed first token), end-to-end
   latency p50/p95, the hit rate from the server's counters (metrics.cache_counters before and
-  after) and from per-request cached tokens, the theoretical maximum hit rate, and the adapter
-  reload latency (PEFT save + load_adapter + the first request the new adapter serves).
-With raw mode on, the same token payloads are replayed with plain httpx (no toolkit client) so
-the toolkit's throughput can be given as a fraction of the raw engine's (goal >= 0.95).
-Rows come back as a pandas DataFrame (one per engine x radix x schedule x mode x repeat), saved
-to CSV with date, hardware, engine version and flags. The cache is flushed between runs and
-each run uses fresh prompts.
+  after) and from per-request cached tokens, the theoretical maximum hit rate
+  (metrics.theoretical_hit_rate), and the adapter reload latency (PEFT save + load_adapter +
+  the first request the new adapter serves).
+With raw mode on, the same token payloads are replayed with plain httpx (bench.raw) so the
+toolkit's throughput can be given as a fraction of the raw engine's (goal >= 0.95). The cache is
+flushed between runs and each run uses fresh prompts. `bench_engines` runs it once per engine,
+`engine_availability` says which engines this machine can run.
 
-    python -m artsg_nb.bench --engine cpu --groups 2 --group-size 4 --prompt-tokens 256 \
-        --new-tokens 16 --schedule naive,prefix,n
-
-What it does not do: plot (plots.plot_engine_comparison) or decide anything; it reports.
+What it does not do: the result files and tables (bench.results), plots (plots.py), or the CLI
+(bench.__main__).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import shlex
 import statistics
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
+import pynvml
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .bench_workloads import (RAW_SCHEDULES, RecordingClient, SyntheticTask, raw_plans, replay_raw,
-                              theoretical_hit_rate)
-from .client import SamplingParams, run_sync
-from .metrics import cache_counters, hit_rate
-from .rollout import SCHEDULES, collect_groups, rollout_stats
+from ..engines import SamplingParams, make_client, run_sync
+from ..metrics import cache_counters, hit_rate, theoretical_hit_rate
+from ..rollout import SCHEDULES, collect_groups, rollout_stats
+from ..server import TARGET_MODULES, ServerConfig, start_server
+from ..server_env import ServerEnvNotFoundError, find_server_env, server_args
+from ..tiny_model import default_model_dir
+from .raw import RAW_SCHEDULES, raw_plans, replay_raw
+from .results import COLUMNS, results_frame, save_results
+from .workloads import SyntheticTask
 
 log = logging.getLogger(__name__)
-
-COLUMNS = [
-    "date", "hardware", "engine", "engine_version", "model", "mode", "schedule", "radix", "repeat",
-    "groups", "group_size", "turns", "prompt_tokens", "new_tokens", "stream_all", "requests",
-    "samples", "failed", "mean_prompt_tokens", "wall_s", "out_tok_s", "total_tok_s",
-    "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", "hit_rate_server", "hit_rate_requests",
-    "hit_rate_theoretical", "hit_vs_theoretical", "raw_fraction", "flushed", "reload_save_s",
-    "reload_load_s", "reload_first_s", "reload_s", "flags", "workload"]
-"""Columns of a benchmark DataFrame (plots.plot_engine_comparison reads them by name)."""
 
 
 @dataclass
@@ -79,7 +73,7 @@ class BenchConfig:
     radix: tuple[bool, ...] = (True,)
     """Prefix cache settings to start the server with (one server per setting)."""
     raw: bool = True
-    """Also replay each run with plain httpx (schedules in bench_workloads.RAW_SCHEDULES)."""
+    """Also replay each run with plain httpx (schedules in bench.raw.RAW_SCHEDULES)."""
     stream_all: bool = True
     """Stream every request so each has a TTFT (else only the schedule's leaders stream)."""
     reload: bool = True
@@ -107,7 +101,7 @@ class BenchConfig:
     """The command line, recorded in each row."""
     workload: str | None = None
     """A short label for the workload's shape (e.g. "A"), recorded in each row; the notebook
-    shows it before the shape (analysis.label_workloads)."""
+    shows it before the shape (bench.results.label_workloads)."""
     seed: int = 0
     """Base seed of the synthetic prompts."""
 
@@ -119,8 +113,6 @@ def hardware_name(engine: str) -> str:
     if engine == "cpu":
         return f"cpu x{os.cpu_count()}"
     try:
-        import pynvml
-
         pynvml.nvmlInit()
         count = pynvml.nvmlDeviceGetCount()
         name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
@@ -142,7 +134,7 @@ async def engine_version(client) -> str:
 
 
 def default_model(engine: str) -> str:
-    from .tiny_model import default_model_dir
+    """The tiny model (CPU engine) or its 0.5B-shaped sibling (GPU engines)."""
 
     return str(default_model_dir("tiny" if engine == "cpu" else "0.5b"))
 
@@ -183,6 +175,28 @@ def _params(cfg: BenchConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=cfg.new_tokens, temperature=cfg.temperature, ignore_eos=True)
 
 
+async def _noop_hook() -> None:
+    return None
+
+
+class RecordingClient:
+    """Forwards `generate` to `client` and records every Generation (TTFT, e2e, tokens).
+
+    With `stream_all`, requests the schedule did not stream are streamed with a no-op hook, so
+    every request has a TTFT (at the price of the streaming work in client and server).
+    """
+
+    def __init__(self, client, stream_all: bool = True):
+        self.client, self.stream_all, self.records, self.calls = client, stream_all, [], 0
+
+    async def generate(self, input_ids, params, adapter=None, on_first_token=None):
+        self.calls += 1
+        hook = on_first_token or (_noop_hook if self.stream_all else None)
+        gens = await self.client.generate(input_ids, params, adapter=adapter, on_first_token=hook)
+        self.records.extend(gens)
+        return gens
+
+
 async def run_toolkit(client, cfg: BenchConfig, task: SyntheticTask, tokenizer, schedule: str,
                       seeds: list[int]):
     """One rollout through collect_groups; (row, groups)."""
@@ -221,11 +235,6 @@ async def run_raw(client, cfg: BenchConfig, groups, schedule: str) -> dict:
 async def measure_reload(client, model_path: str, run_dir: str, prompt_ids: list[int],
                          repeats: int = 3, rank: int = 16) -> dict:
     """Median seconds to save a PEFT adapter, load it into the server, and serve it a request."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from .server import TARGET_MODULES
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
@@ -253,8 +262,6 @@ async def measure_reload(client, model_path: str, run_dir: str, prompt_ids: list
 
 async def bench_server(client, cfg: BenchConfig, radix: bool, model_path: str) -> list[dict]:
     """Every schedule (and raw replay) against one running server; one row per run."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     task = SyntheticTask(tokenizer, cfg.prompt_tokens, cfg.turns, cfg.env_tokens, cfg.new_tokens)
     meta = {"date": datetime.now().isoformat(timespec="seconds"), "hardware": hardware_name(cfg.engine),
@@ -294,22 +301,8 @@ def _seeds(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def _finish(rows: list[dict]) -> pd.DataFrame:
-    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    best = df["hit_rate_server"].where(df["hit_rate_server"].notna(), df["hit_rate_requests"])
-    df["hit_vs_theoretical"] = best / df["hit_rate_theoretical"]
-    raw = df[df["mode"] == "raw"].set_index(["engine", "radix", "schedule", "repeat"])["out_tok_s"]
-    key = list(zip(df["engine"], df["radix"], df["schedule"], df["repeat"]))
-    df["raw_fraction"] = [row.out_tok_s / raw[k] if row.mode == "toolkit" and k in raw.index else np.nan
-                          for k, row in zip(key, df.itertuples())]
-    return df
-
-
 def run_bench(cfg: BenchConfig) -> pd.DataFrame:
     """Start the server per radix setting (or use cfg.server_url), run every schedule, save CSV."""
-    from .client import make_client
-    from .envs import server_args
-    from .server import ServerConfig, start_server
 
     bad = [s for s in cfg.schedules if s not in SCHEDULES]
     if bad:
@@ -326,11 +319,8 @@ def run_bench(cfg: BenchConfig) -> pd.DataFrame:
                                   extra_args=server_args(cfg.engine, cfg.extra_args))
         with start_server(server_cfg) as server:
             rows += run_sync(_with_client(server.client(), cfg, radix, model))
-    df = _finish(rows)
-    out = Path(cfg.out or _default_out(df, cfg.engine))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out, index=False)
-    log.info("wrote %s", out)
+    df = results_frame(rows)
+    log.info("wrote %s", save_results(df, cfg.out, cfg.engine))
     return df
 
 
@@ -341,68 +331,28 @@ async def _with_client(client, cfg: BenchConfig, radix: bool, model: str) -> lis
         await client.aclose()
 
 
-def _default_out(df: pd.DataFrame, engine: str) -> Path:
-    hw = str(df["hardware"].iloc[0]) if len(df) else "unknown"
-    slug = "".join(c if c.isalnum() else "-" for c in hw.lower()).strip("-")
-    return Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-{engine}-{slug}.csv"
+# ---------------------------------------------------------------------------- per engine
+
+def engine_availability(plan) -> pd.DataFrame:
+    """Which engines can run here: the CPU engine without a GPU; SGLang and vLLM with one, when
+    their server environment is found (envs.find_server_env). One row per engine considered."""
+
+    rows = []
+    for engine in (["cpu"] if plan.mode == "cpu" else ["sglang", "vllm"]):
+        try:
+            env = find_server_env(engine)
+            rows.append({"engine": engine, "available": True, "version": env.version, "where": env.source or env.python})
+        except ServerEnvNotFoundError as e:
+            rows.append({"engine": engine, "available": False, "version": None, "where": str(e).splitlines()[0]})
+    return pd.DataFrame(rows, columns=["engine", "available", "version", "where"])
 
 
-SUMMARY = ["engine", "mode", "schedule", "radix", "wall_s", "out_tok_s", "ttft_p50_s", "e2e_p50_s",
-           "hit_rate_server", "hit_rate_requests", "hit_rate_theoretical", "raw_fraction", "reload_s"]
+def bench_engines(cfg: BenchConfig, engines: Sequence[str]) -> pd.DataFrame:
+    """run_bench(cfg) once per engine; each CSV goes to `<cfg.run_dir>/bench-<engine>.csv`.
 
-
-def summary_table(df: pd.DataFrame) -> str:
-    """The compact text table the CLI prints."""
-    return df[SUMMARY].to_string(index=False, float_format=lambda x: f"{x:.3g}")
-
-
-# ---------------------------------------------------------------------------- CLI
-
-def parse_args(argv: Sequence[str]) -> BenchConfig:
-    p = argparse.ArgumentParser(prog="python -m artsg_nb.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", choices=("cpu", "sglang", "vllm"), default="cpu")
-    p.add_argument("--model", dest="model_path")
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=1500)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--turns", type=int, default=1)
-    p.add_argument("--env-tokens", type=int, default=32)
-    p.add_argument("--schedule", default="naive,prefix", help=f"comma list of {', '.join(SCHEDULES)}")
-    p.add_argument("--radix", default="on", help="on, off, or on,off (one server each)")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--concurrency", type=int)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--no-raw", dest="raw", action="store_false")
-    p.add_argument("--no-reload", dest="reload", action="store_false")
-    p.add_argument("--no-stream-all", dest="stream_all", action="store_false",
-                   help="stream only the schedule's leaders (TTFT only for those)")
-    p.add_argument("--server-url")
-    p.add_argument("--run-dir", default="runs/bench")
-    p.add_argument("--extra-args", default="", help="extra server arguments, one quoted string")
-    p.add_argument("--out")
-    p.add_argument("--workload", help="a short label for this shape, e.g. A (kept in every row)")
-    a = p.parse_args(argv)
-    radix = tuple({"on": True, "off": False}[r.strip()] for r in a.radix.split(","))
-    return BenchConfig(
-        engine=a.engine, model_path=a.model_path, groups=a.groups, group_size=a.group_size,
-        prompt_tokens=a.prompt_tokens, new_tokens=a.new_tokens, turns=a.turns, env_tokens=a.env_tokens,
-        schedules=tuple(s.strip() for s in a.schedule.split(",")), radix=radix, raw=a.raw,
-        stream_all=a.stream_all, reload=a.reload, repeats=a.repeats, warmup=a.warmup,
-        temperature=a.temperature, concurrency=a.concurrency, server_url=a.server_url, run_dir=a.run_dir,
-        extra_args=tuple(shlex.split(a.extra_args)), out=a.out, flags=" ".join(argv),
-        workload=a.workload)
-
-
-def main(argv: Sequence[str] | None = None) -> pd.DataFrame:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    cfg = parse_args(sys.argv[1:] if argv is None else list(argv))
-    df = run_bench(cfg)
-    print(summary_table(df))
-    return df
-
-
-if __name__ == "__main__":
-    main()
+    Server flags: cfg.extra_args, else $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS (envs.server_args)."""
+    frames = [pd.DataFrame(columns=COLUMNS)]  # no engine: an empty table, not an error
+    for engine in engines:
+        out = Path(cfg.run_dir) / f"bench-{engine}.csv"
+        frames.append(run_bench(replace(cfg, engine=engine, out=str(out))))
+    return pd.concat(frames, ignore_index=True)

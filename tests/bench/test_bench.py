@@ -1,4 +1,5 @@
-"""bench.py end to end on the CPU engine at a tiny size: the table's columns and sane values."""
+"""bench.run end to end on the CPU engine at a tiny size: the table's columns and sane values;
+the CLI flags; the engine version probe."""
 from __future__ import annotations
 
 import math
@@ -6,9 +7,8 @@ import math
 import pandas as pd
 import pytest
 
-from artsg_nb.bench import COLUMNS, BenchConfig, parse_args, run_bench, summary_table
-from artsg_nb.bench_workloads import theoretical_hit_rate
-from artsg_nb.rollout import Trajectory, TrajectoryGroup
+from artsg_nb.bench import COLUMNS, BenchConfig, run_bench, summary_table
+from artsg_nb.bench.__main__ import parse_args
 
 
 def test_cli_flags_parse():
@@ -18,17 +18,6 @@ def test_cli_flags_parse():
     assert (cfg.engine, cfg.groups, cfg.schedules, cfg.radix, cfg.raw, cfg.workload) == (
         "sglang", 3, ("naive", "prefix_n"), (True, False), False, "A")
     assert cfg.extra_args == ("--attention-backend", "triton")
-
-
-def test_theoretical_hit_rate_by_hand():
-    def traj(mask):
-        return Trajectory(messages=[], token_ids=list(range(len(mask))), completion_mask=mask,
-                          logprobs=[0.0] * len(mask))
-    # two samples of a 4-token prompt, 2 model tokens, 3 env tokens, 2 model tokens
-    mask = [0] * 4 + [1] * 2 + [0] * 3 + [1] * 2
-    group = TrajectoryGroup(0, [traj(mask), traj(mask)])
-    # prompts: 4 + 9 per sample = 26; reusable: 4 (second sample's turn 1) + 6 + 6 (turn-2 history)
-    assert theoretical_hit_rate([group]) == pytest.approx(16 / 26)
 
 
 @pytest.mark.slow
@@ -66,7 +55,7 @@ def test_engine_version_skips_a_server_info_without_version():
     """vLLM in dev mode answers /server_info with its config (no "version"); /version has it."""
     import httpx
 
-    from artsg_nb.bench import engine_version
+    from artsg_nb.bench.run import engine_version
     from artsg_nb.engines import run_sync
 
     routes = {"/server_info": {"vllm_config": {"model": "m"}}, "/version": {"version": "0.26.0"}}

@@ -1,145 +1,29 @@
-"""Rollout-shaped benchmark workloads and what bench.py measures them with.
+"""The raw-engine baseline: a toolkit run's token payloads replayed with plain httpx.
 
-What it does
-- `SyntheticTask`: P prompts x G samples x T turns of chosen lengths, built from the model's
-  tokenizer (random token ids decoded to text: meaningless, fine for throughput). Each seed is
-  one group; env turns add a fixed-length user message; the reward is always 0.
-- `RecordingClient`: wraps an EngineClient, optionally streams every request (so every request
-  has a time to first token) and keeps each request's Generations.
-- `replay_raw`: the "raw engine" baseline — the same token payloads, sent with plain httpx and
-  minimal parsing (no toolkit client, no chat template, no rollout bookkeeping), under the same
-  submission schedule; the toolkit's throughput is reported as a fraction of it.
-- `theoretical_hit_rate`: the prefix-cache hit rate if every reusable token were reused.
+What it does: `raw_plans(groups)` takes from each valid trajectory its turn-1 prompt and the env
+tokens between its replies; `replay_raw` sends them to the server with plain httpx and minimal
+parsing (no toolkit client, no chat template, no rollout bookkeeping) under the same submission
+schedule (RAW_SCHEDULES), keeping each sample's tokens, cached tokens, TTFT and latency. The
+toolkit's throughput is reported as a fraction of it (`raw_fraction`).
 
-What it does not do: start servers or build tables (bench.py), or schedule real rollouts
-(rollout.py, which the toolkit rows go through unchanged).
+What it does not do: the toolkit-side measurement (bench.run) or build tables (bench.results).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import httpx
 
-from .client import merge_stream_chunk
-from .rollout import Trajectory, TrajectoryGroup
-from .tasks import StepResult
+from ..engines.sglang import merge_stream_chunk
+from ..rollout import TrajectoryGroup
 
 RAW_SCHEDULES = ("naive", "prefix", "n")
 """Schedules the raw baseline implements (the others are toolkit-only variants)."""
 
-
-# ---------------------------------------------------------------------------- synthetic task
-
-def synthetic_text(tokenizer, n_tokens: int, rng: random.Random) -> str:
-    """About `n_tokens` tokens of text: random non-special ids, decoded, re-cut to length."""
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(tokenizer.vocab_size) if i not in special]
-    ids = tokenizer.encode(tokenizer.decode(rng.choices(vocab, k=n_tokens)), add_special_tokens=False)
-    return tokenizer.decode(ids[:n_tokens], skip_special_tokens=True)
-
-
-class SyntheticEnv:
-    """One episode: an opening prompt, then a fixed-length user turn after each reply."""
-
-    def __init__(self, task: "SyntheticTask", seed: int):
-        self.task, self.seed, self.turn = task, seed, 0
-
-    def reset(self) -> list[dict]:
-        return [{"role": "user", "content": self.task.text(self.seed, 0)}]
-
-    def step(self, reply: str) -> StepResult:
-        self.turn += 1
-        if self.turn >= self.task.max_turns:
-            return StepResult([], 0.0, True)
-        return StepResult([{"role": "user", "content": self.task.text(self.seed, self.turn)}], None, False)
-
-
-@dataclass
-class SyntheticTask:
-    """Duck-types tasks.Task for collect_groups: same seed → same texts, so a group shares them."""
-
-    tokenizer: Any
-    prompt_tokens: int = 1500
-    """Target length of the turn-1 prompt, chat template included."""
-    max_turns: int = 1
-    """Model turns per episode."""
-    env_tokens: int = 32
-    """Length of each later user message."""
-    max_new_tokens: int = 128
-    name: str = "synthetic"
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    def make_env(self, seed: int) -> SyntheticEnv:
-        return SyntheticEnv(self, seed)
-
-    def text(self, seed: int, turn: int) -> str:
-        if (seed, turn) not in self._cache:
-            overhead = len(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": ""}], tokenize=True, return_dict=False, add_generation_prompt=True))
-            n = max(1, self.prompt_tokens - overhead) if turn == 0 else self.env_tokens
-            self._cache[seed, turn] = synthetic_text(self.tokenizer, n, random.Random(seed * 1000 + turn))
-        return self._cache[seed, turn]
-
-
-# ---------------------------------------------------------------------------- recording client
-
-async def _noop_hook() -> None:
-    return None
-
-
-class RecordingClient:
-    """Forwards `generate` to `client` and records every Generation (TTFT, e2e, tokens).
-
-    With `stream_all`, requests the schedule did not stream are streamed with a no-op hook, so
-    every request has a TTFT (at the price of the streaming work in client and server).
-    """
-
-    def __init__(self, client, stream_all: bool = True):
-        self.client, self.stream_all, self.records, self.calls = client, stream_all, [], 0
-
-    async def generate(self, input_ids, params, adapter=None, on_first_token=None):
-        self.calls += 1
-        hook = on_first_token or (_noop_hook if self.stream_all else None)
-        gens = await self.client.generate(input_ids, params, adapter=adapter, on_first_token=hook)
-        self.records.extend(gens)
-        return gens
-
-
-# ---------------------------------------------------------------------------- theoretical hit rate
-
-def model_segments(traj: Trajectory) -> list[tuple[int, int]]:
-    """(start, end) of each run of model tokens (mask 1) in a trajectory."""
-    runs, start = [], None
-    for i, m in enumerate(traj.completion_mask + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
-def theoretical_hit_rate(groups: Sequence[TrajectoryGroup]) -> float | None:
-    """Cached / prompt tokens if the cache reused everything reusable: all but the first of a
-    group's identical turn-1 prompts, and at turn k > 1 the whole history up to the end of the
-    previous reply. (An upper bound: engines recompute at least the last prompt token.)"""
-    prompt = cacheable = 0
-    for group in groups:
-        trajs = [t for t in group.trajectories if t.error is None and t.completion_mask]
-        for j, t in enumerate(trajs):
-            segments = model_segments(t)
-            starts = [s for s, _ in segments]
-            prompt += sum(starts)
-            cacheable += (starts[0] if starts and j > 0 else 0) + sum(e for _, e in segments[:-1])
-    return cacheable / prompt if prompt else None
-
-
-# ---------------------------------------------------------------------------- raw baseline
 
 @dataclass
 class RawSample:
@@ -168,7 +52,7 @@ def raw_plans(groups: Sequence[TrajectoryGroup]) -> list[list[RawPlan]]:
         for t in group.trajectories:
             if t.error is not None or not t.completion_mask:
                 continue
-            segments = model_segments(t)
+            segments = t.model_segments()
             envs = [t.token_ids[end:segments[k + 1][0]] for k, (_, end) in enumerate(segments[:-1])]
             members.append(RawPlan(t.token_ids[:segments[0][0]], envs))
         if members:

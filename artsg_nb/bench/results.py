@@ -1,0 +1,143 @@
+"""Benchmark results: the row format, the CSV files, and the tables made from them.
+
+What it does
+- `COLUMNS`: one row per engine x radix x schedule x mode x repeat (benchmarks/README.md says what
+  each column means); `results_frame(rows)` fills in the columns derived across rows, and
+  `save_results` writes the CSV (default benchmarks/results/<date>-<engine>-<hardware>.csv).
+- `load_results(dir)`, `latest_results(df)`, `result_sources(df)`, `results_table(df)`: committed
+  benchmark CSVs (`gpu` is accepted for `hardware`) with the file each row came from and a
+  `workload` label per shape (`label_workloads`), the newest file per engine and workload, where
+  each file comes from, and the toolkit rows averaged over repeats; `summary_table` is the text
+  table the CLI prints.
+
+What it does not do: measure (bench.run) or draw (plots.plot_engine_comparison).
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+COLUMNS = [
+    "date", "hardware", "engine", "engine_version", "model", "mode", "schedule", "radix", "repeat",
+    "groups", "group_size", "turns", "prompt_tokens", "new_tokens", "stream_all", "requests",
+    "samples", "failed", "mean_prompt_tokens", "wall_s", "out_tok_s", "total_tok_s",
+    "ttft_p50_s", "ttft_p95_s", "e2e_p50_s", "e2e_p95_s", "hit_rate_server", "hit_rate_requests",
+    "hit_rate_theoretical", "hit_vs_theoretical", "raw_fraction", "flushed", "reload_save_s",
+    "reload_load_s", "reload_first_s", "reload_s", "flags", "workload"]
+"""Columns of a benchmark DataFrame (plots.plot_engine_comparison reads them by name).."""
+SHAPE_COLUMNS = ["groups", "group_size", "prompt_tokens", "new_tokens", "turns", "stream_all"]
+"""Benchmark columns that make two rows comparable (besides engine, schedule and radix)."""
+
+
+# ---------------------------------------------------------------------------- writing
+
+def results_frame(rows: list[dict]) -> pd.DataFrame:
+    """Run rows as a frame in COLUMNS order, with `hit_vs_theoretical` and `raw_fraction`
+    (a toolkit row's output tok/s over its raw replay's) filled in."""
+    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    best = df["hit_rate_server"].where(df["hit_rate_server"].notna(), df["hit_rate_requests"])
+    df["hit_vs_theoretical"] = best / df["hit_rate_theoretical"]
+    raw = df[df["mode"] == "raw"].set_index(["engine", "radix", "schedule", "repeat"])["out_tok_s"]
+    key = list(zip(df["engine"], df["radix"], df["schedule"], df["repeat"]))
+    df["raw_fraction"] = [row.out_tok_s / raw[k] if row.mode == "toolkit" and k in raw.index else np.nan
+                          for k, row in zip(key, df.itertuples())]
+    return df
+
+
+def save_results(df: pd.DataFrame, out: str | os.PathLike | None, engine: str) -> Path:
+    """Write `df` to `out` (None: benchmarks/results/<date>-<engine>-<hardware>.csv); the path."""
+    path = Path(out) if out else _default_path(df, engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(path, index=False)
+    return path
+
+
+def _default_path(df: pd.DataFrame, engine: str) -> Path:
+    hw = str(df["hardware"].iloc[0]) if len(df) else "unknown"
+    slug = "".join(c if c.isalnum() else "-" for c in hw.lower()).strip("-")
+    return Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-{engine}-{slug}.csv"
+
+
+SUMMARY = ["engine", "mode", "schedule", "radix", "wall_s", "out_tok_s", "ttft_p50_s", "e2e_p50_s",
+           "hit_rate_server", "hit_rate_requests", "hit_rate_theoretical", "raw_fraction", "reload_s"]
+
+
+def summary_table(df: pd.DataFrame) -> str:
+    """The compact text table the CLI prints."""
+    return df[SUMMARY].to_string(index=False, float_format=lambda x: f"{x:.3g}")
+
+
+# ---------------------------------------------------------------------------- reading
+
+def load_results(results_dir: str | os.PathLike, gpu: str | None = None) -> pd.DataFrame:
+    """Every `*.csv` in `results_dir` as one frame, `source` = the file name and `workload` labelled
+    (`label_workloads`); empty, with those columns, when there is none. `gpu` keeps rows whose
+    gpu/hardware contains it (case-insensitive), e.g. "H200"."""
+    files = sorted(Path(results_dir).glob("*.csv"))
+    if not files:
+        return pd.DataFrame(columns=["source", "gpu", *COLUMNS])
+    df = pd.concat([pd.read_csv(f).assign(source=f.name) for f in files], ignore_index=True)
+    if "gpu" not in df:
+        df["gpu"] = df.get("hardware")
+    if "hardware" not in df:
+        df["hardware"] = df["gpu"]
+    df["date"] = pd.to_datetime(df.get("date"), errors="coerce")
+    if gpu:
+        df = df[df["gpu"].astype(str).str.contains(gpu, case=False, regex=False)]
+    return label_workloads(df).reset_index(drop=True)
+
+
+def label_workloads(df: pd.DataFrame) -> pd.DataFrame:
+    """`workload` = the row's own label, if any, and its shape, e.g. "A: 8x8, 1500-token prompts,
+    128 new tokens, 1 turn": rows of different shapes must not be averaged together."""
+    df = df.copy()
+    shape = [f"{_int(r.groups)}x{_int(r.group_size)}, {_int(r.prompt_tokens)}-token prompts, "
+             f"{_int(r.new_tokens)} new tokens, {_int(r.turns)} turn{'' if _int(r.turns) == '1' else 's'}"
+             + ("" if str(r.stream_all).lower() != "false" else ", leaders stream")
+             for r in df.reindex(columns=SHAPE_COLUMNS).itertuples()]
+    given = df["workload"] if "workload" in df else pd.Series(np.nan, index=df.index)
+    df["workload"] = [s if pd.isna(g) or not str(g).strip() else f"{g}: {s}" for g, s in zip(given, shape)]
+    return df
+
+
+def latest_results(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (engine, gpu, workload), only the rows of the newest file that has it: older runs stay
+    committed for the record, the comparison shows the current one."""
+    if df.empty:
+        return df
+    key = ["engine", "gpu", "workload"]
+    dates = df.groupby([*key, "source"], dropna=False)["date"].max().reset_index()
+    newest = dates.sort_values("date", na_position="first").groupby(key, dropna=False).tail(1)
+    return df.merge(newest[[*key, "source"]], on=[*key, "source"])
+
+
+def result_sources(df: pd.DataFrame) -> pd.DataFrame:
+    """Where each result comes from: one row per file with its date, GPU, engines and versions,
+    workloads and flags."""
+    def join(values):
+        return ", ".join(dict.fromkeys(str(v) for v in values if pd.notna(v)))
+
+    return df.groupby("source").agg(date=("date", "min"), gpu=("gpu", join), engines=("engine", join),
+                                    engine_version=("engine_version", join), workloads=("workload", "nunique"),
+                                    flags=("flags", join), rows=("mode", "size"))
+
+
+def results_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Toolkit rows averaged over repeats, one row per workload, engine, radix and schedule;
+    `hit_rate` from the server's counters, else the per-request counts. Rows without a
+    `workload` (run_bench's) are labelled first."""
+    df = df[df["mode"] == "toolkit"] if "mode" in df else pd.DataFrame(columns=["workload"])
+    df = df.copy() if "workload" in df else label_workloads(df)
+    df["hit_rate"] = df.get("hit_rate_server", pd.Series(dtype=float)).fillna(df.get("hit_rate_requests"))
+    metrics = ["out_tok_s", "ttft_p50_s", "e2e_p50_s", "hit_rate", "hit_rate_theoretical", "raw_fraction", "reload_s"]
+    df = df.reindex(columns=["workload", "engine", "radix", "schedule", *metrics])
+    df[metrics] = df[metrics].apply(pd.to_numeric, errors="coerce")
+    return df.groupby(["workload", "engine", "radix", "schedule"], sort=False, dropna=False)[metrics].mean()
+
+
+def _int(value) -> str:
+    return str(int(value)) if pd.notna(value) else "?"

@@ -80,7 +80,7 @@ class GpuPlan:
     --gpu-memory-utilization); None leaves the engine's default (split and cpu modes)."""
     release_server_memory: bool = False
     """Colocated: release the server's GPU memory before each training step and resume it
-    after (SGLang needs --enable-memory-saver; see client_memory). GRPORun sets it from
+    after (SGLang needs --enable-memory-saver; see engines/sglang.py). GRPORun sets it from
     RunConfig.release_memory, so the plan it shows says what the run does."""
     gpus: tuple[GpuInfo, ...] = field(default=(), compare=False)
     """The GPUs the plan was made from, for display."""

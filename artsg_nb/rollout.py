@@ -31,7 +31,7 @@ What it does
   seed of member i: engines seed sample j with seed + j), so a redone or resumed step draws the
   same samples under every schedule.
 
-What it does not do: talk HTTP (client.py), compute advantages (grpo.py), build tensors
+What it does not do: talk HTTP (engines/), compute advantages (grpo.py), build tensors
 (trainer.py). Env methods are called in the event loop, so they should be quick.
 """
 from __future__ import annotations

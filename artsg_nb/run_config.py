@@ -72,7 +72,7 @@ class RunConfig:
     (GPU memory in use as training starts 72.8 → 8.2 GiB, step times with and without the
     saver): README "Results" and benchmarks/results/20261203-h200-gpu-tests.md."""
     release_tags: tuple[str, ...] = ("kv_cache", "cuda_graph")
-    """What to release (client_memory.MEMORY_TAGS). With "weights" the server also keeps a host
+    """What to release (engines.MEMORY_TAGS). With "weights" the server also keeps a host
     copy of the base weights (--enable-weights-cpu-backup); without one they would be lost."""
     server_args: tuple[str, ...] = ()
     """Extra command-line flags for the server; empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS

@@ -12,7 +12,7 @@ samples an uninterrupted run would. With `release_memory` (one shared GPU) the s
 given back after the rollouts and taken again before the reload, so the trainer gets the GPU;
 if training fails meanwhile, the memory is taken back before the error goes up.
 
-What it does not do: the loss (grpo.py), the optimizer (trainer.py), HTTP details (client.py),
+What it does not do: the loss (grpo.py), the optimizer (trainer.py), HTTP details (engines/),
 or drawing (plots.py, widgets.py). The algorithm in one paragraph: for each step, sample
 `groups_per_step` prompts, `group_size` completions each, reward them with the task, normalise
 rewards within each group into advantages, and take one clipped policy-gradient step on the

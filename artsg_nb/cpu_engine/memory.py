@@ -1,7 +1,7 @@
 """What the CPU engine has released: SGLang's /release_memory_occupation and /resume_memory_occupation.
 
 What SGLang 0.5.14 does (read from its source; the facts and line numbers are in
-artsg_nb/client_memory.py): GET or POST with `{"tags": [...]}` (absent, null or [] = all of
+artsg_nb/engines/sglang.py): GET or POST with `{"tags": [...]}` (absent, null or [] = all of
 kv_cache, weights, cuda_graph; unknown tags are accepted and do nothing), 200 with a `null`
 body. Releasing kv_cache flushes the radix cache. With --enable-memory-saver the memory is
 really given back and nothing may run until resume; without it both routes still answer 200,

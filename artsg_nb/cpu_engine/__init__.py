@@ -22,7 +22,7 @@ continuous batching, adapters mixed per batch, one prefill at a time with radix 
 contract and the sampler, `metrics` the Prometheus registry, `memory` the release/resume state.
 
 What it deliberately is not: part of the training side. The package imports nothing from the
-rest of artsg_nb (tests/cpu_engine/test_layering.py checks), and this file imports nothing, so
+rest of artsg_nb (tests/cpu_engine/test_cpu_engine_imports.py checks), and this file imports nothing, so
 `import artsg_nb.cpu_engine` stays cheap for code that only needs the module path. It does not
 do CUDA, tensor/pipeline parallelism, quantisation, paged attention, chunked prefill,
 speculative decoding, grammars and penalties, chat streaming, /v1/completions, weight updates of

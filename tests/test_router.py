@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from artsg_nb.client import SamplingParams, make_client
+from artsg_nb.engines import SamplingParams, make_client
 from artsg_nb.metrics import cache_counters, hit_rate, parse_metrics
 from artsg_nb.router import RouterError, build_router_command, start_router
 from artsg_nb.server import ServerConfig, start_server

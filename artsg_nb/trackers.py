@@ -7,7 +7,8 @@ sink's factory, only when asked for: they are optional. Where they write (offlin
 - "wandb": wandb.init(dir=run_dir); WANDB_MODE=offline keeps it local (`wandb sync` later).
 - "trackio": trackio.init(project=run_name), a local SQLite database (TRACKIO_DIR).
 - "tensorboard": torch.utils.tensorboard SummaryWriter, event files in run_dir/tensorboard.
-- "mlflow": mlflow with MLFLOW_TRACKING_URI if set, else a file store in run_dir/mlruns.
+- "mlflow": mlflow with MLFLOW_TRACKING_URI if set, else a file store in run_dir/mlruns
+  (MLFLOW_ALLOW_FILE_STORE is set for it: MLflow 3 otherwise asks for a database).
 A sink that fails (to import, to start, or to log a row) logs one warning naming the tracker and
 the fix, is dropped, and never breaks training.
 
@@ -52,6 +53,7 @@ class _WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+        self.wandb.teardown()  # stop wandb's service process now, not at interpreter exit
 
 
 class _TrackioSink:
@@ -89,6 +91,8 @@ class _MLflowSink:
 
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # MLflow 3 refuses its file store unless told: it is the one that needs no server or database.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment(name)
         self.run = mlflow.start_run(run_name=name)

@@ -37,7 +37,6 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
     assert "wandb" in trackers.sinks, "wandb did not start offline"
     for row in ROWS:
         trackers.log(row)
-    assert dict(trackers.sinks["wandb"].run.summary)["eval_reward"] == 0.75
     trackers.close()
     assert list(tmp_path.rglob("run-*.wandb")), "no offline run file written"
 

@@ -190,8 +190,8 @@ class GRPORun:
 
     def export(self, path, merge: bool = False) -> Path:
         """The served adapter as a PEFT adapter folder, or (merge=True) a merged model folder (export.py)."""
-        return (export_merged if merge else export_adapter)(self.publisher.current.path, path, self.model_path,
-                                                            self.trainer.tokenizer)
+        served = self.publisher.current or self._initial  # before the first step: the version to be served
+        return (export_merged if merge else export_adapter)(served.path, path, self.model_path, self.trainer.tokenizer)
 
     # ---- internals -----------------------------------------------------------------------------
     def _start_server(self, engine: str, model_path: str):

@@ -30,10 +30,12 @@ COLUMNS: tuple[str, ...] = (
     "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
     "is_ratio_mean", "is_ratio_min", "is_ratio_max", "tokens", "completion_tokens",
     "rollout_s", "train_s", "reload_s", "hit_rate", "zero_adv_groups", "failed_rollouts",
-    "truncated", "release_s", "resume_s",
+    "truncated", "release_s", "resume_s", "eval_reward", "eval_pass_at_k",
 )
 # release_s / resume_s: seconds to give the server's GPU memory back before training and take it
 # again after; None (NaN in .df) when the run does not release (RunConfig.release_memory).
+# eval_reward / eval_pass_at_k: the held-out evaluation after this step (evaluate.py); None on
+# steps without one (RunConfig.eval_every).
 TEXT_COLUMNS = frozenset({"adapter"})
 
 
@@ -134,6 +136,15 @@ class History:
                 parts.append(f"{key[:-2]} {_format_seconds(row[key])}")
         if _present(row.get("failed_rollouts")) and row["failed_rollouts"] > 0:
             parts.append(f"failed {int(row['failed_rollouts'])}")
+        if _present(row.get("zero_adv_groups")) and row["zero_adv_groups"] > 0:
+            of = f"/{int(row['groups'])}" if _present(row.get("groups")) else ""
+            parts.append(f"zero-adv {int(row['zero_adv_groups'])}{of}")
+        if row.get("update_skipped"):
+            parts.append("no update (no signal)")
+        if _present(row.get("eval_reward")):
+            parts.append(f"eval {row['eval_reward']:.2f}")
+            if _present(row.get("eval_pass_at_k")):
+                parts[-1] += f" pass {row['eval_pass_at_k']:.2f}"
         return " | ".join(parts)
 
 

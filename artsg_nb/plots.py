@@ -44,7 +44,7 @@ SCHEDULE_COLORS = {"naive": "tab:orange", "prefix": "tab:blue", "prefix_sync": "
 # ---------------------------------------------------------------- training curves (History df)
 
 def plot_reward(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
-    """Mean reward per step with a ±1 std band."""
+    """Mean reward per step with a ±1 std band; the held-out eval reward, where measured."""
     ax = _axes(ax, "reward", "reward")
     step, mean = _column(df, "reward_mean")
     if not _has_data(mean):
@@ -53,6 +53,12 @@ def plot_reward(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
     _, std = _column(df, "reward_std")
     if _has_data(std):
         ax.fill_between(step, mean - std, mean + std, color="tab:blue", alpha=0.2, label="± std")
+    _, evals = _column(df, "eval_reward")
+    if _has_data(evals):
+        measured = np.isfinite(np.asarray(evals, dtype=float))
+        ax.plot(np.asarray(step)[measured], np.asarray(evals, dtype=float)[measured], marker="s",
+                color="tab:orange", label="eval")
+        ax.legend(loc="lower right", fontsize="small")
     return ax
 
 

@@ -81,12 +81,26 @@ class RunConfig:
     """Sent to the server (SGLang --api-key) and by the client."""
     verbose: bool = True
     """Print one progress line per step."""
+    eval_every: int = 0
+    """Evaluate the served adapter after every Nth step (0: never) on held-out prompts
+    (evaluate.py); the step's history row gets eval_reward and eval_pass_at_k. Eval never trains."""
+    eval_n: int = 16
+    """Prompts per evaluation (greedy, one answer each)."""
+    keep_adapters: int = 0
+    """Keep only the newest K adapter versions on disk (0: keep all), plus every `keep_every`-th,
+    the served one and the newest resumable checkpoint (retention.py)."""
+    keep_every: int = 0
+    """With keep_adapters: also keep every Mth step's version (0: none extra)."""
+    report_to: tuple[str, ...] = ()
+    """Trackers that get every history row: "wandb", "trackio", "tensorboard", "mlflow"
+    (trackers.py; each is optional and imported only when named here)."""
 
 
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
 _OPERATIONAL = frozenset({"resume", "verbose", "max_restarts", "verify_adapter", "concurrency", "api_key",
-                          "server_args", "release_memory", "release_tags", "run_dir"})
+                          "server_args", "release_memory", "release_tags", "run_dir",
+                          "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to"})
 """Fields that change how a run is operated, not what it computes: a resumed run may change them."""
 
 

@@ -29,16 +29,21 @@ from dataclasses import replace
 from pathlib import Path
 
 from .engines import SamplingParams, ServerUnavailableError, memory_tags
+from .evaluate import evaluate, history_fields
+from .export import export_adapter, export_merged
 from .gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History
-from .lora import AdapterPublisher, AdapterSaveError, adapter_name, load_version, probe_served_adapter, save_adapter_atomic
+from .lora import AdapterPublisher, AdapterSaveError, load_version, probe_served_adapter, save_adapter_atomic
 from .metrics import HitRateTracker, cache_counters, hit_rate
+from .retention import prune_adapters
 from .rollout import collect_groups
 from .run_config import CONFIG_FILE, RunConfig, check_resumable, config_record
 from .server import ServerConfig, start_server
+from .samples import constant_groups, read_samples, write_rollouts
 from .server_env import server_args
 from .tasks import get_task
 from .tiny_model import default_model_dir
+from .trackers import Trackers
 from .trainer import CheckpointError, Trainer, TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -56,7 +61,7 @@ class GRPORun:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.plan = self.server = self.client = self.trainer = self.publisher = self.tracker = None
-        self.task = None
+        self.task = self.trackers = self.model_path = None
         self.history: History | None = None
         self.restarts = 0
         self.release = False  # resolved cfg.release_memory; may be toggled between steps
@@ -73,7 +78,7 @@ class GRPORun:
         if engine != "cpu" and self.plan.mode == "cpu":
             require_gpu()
         apply_to_kernel(self.plan)
-        model_path = cfg.model_path or str(default_model_dir())
+        model_path = self.model_path = cfg.model_path or str(default_model_dir())
         self.server = self._start_server(engine, model_path)
         self.client = self.server.client()
         self.trainer = self._make_trainer(model_path)
@@ -84,6 +89,7 @@ class GRPORun:
         # policy-step-0 is the untrained LoRA (B = 0, so it serves the base model's outputs).
         self._initial = self._restore_latest(adapters) if cfg.resume else save_adapter_atomic(self._save_fn, adapters, 0)
         self._published = False  # the first await (step/run) loads it into the server
+        self.trackers = Trackers(cfg.report_to, self.run_dir, self.run_dir.name, config_record(cfg))
         return self
 
     def _save_config(self) -> None:
@@ -98,6 +104,8 @@ class GRPORun:
 
     def stop(self) -> None:
         """Stop the server (by process group). Saved adapters and history stay in run_dir."""
+        if self.trackers is not None:
+            self.trackers.close()
         if self.server is not None:
             self.server.stop()
 
@@ -129,10 +137,20 @@ class GRPORun:
         t0 = time.perf_counter()
         groups, hit_rate = await self._with_restarts(self._rollouts, step)
         rollout_s = time.perf_counter() - t0
-        metrics, train_s, memory_s = await self._train(groups)
-        version, reload_s, probe = await self._save_and_reload(groups)
+        write_rollouts(self.run_dir, step, groups)
+        n_constant, no_signal = constant_groups(groups)
+        if no_signal:  # every group has one reward: no gradient; see _skip_update
+            metrics, train_s, memory_s, (version, reload_s, probe) = self._skip_update(n_constant)
+        else:
+            metrics, train_s, memory_s = await self._train(groups)
+            version, reload_s, probe = await self._save_and_reload(groups)
         row = self._row(step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe, memory_s)
+        if self.cfg.eval_every and step % self.cfg.eval_every == 0:
+            row.update(history_fields(await self.evaluate(n=self.cfg.eval_n)))
         self.history.append(row)
+        self.trackers.log(row)
+        prune_adapters(self.run_dir / "adapters", self.cfg.keep_adapters, self.cfg.keep_every,
+                       protect=(self.publisher.current.step, version.step))
         if self.cfg.verbose:
             print(self.history.format_row(row), flush=True)
         return row
@@ -155,6 +173,25 @@ class GRPORun:
         if flush_cache:
             await self.client.flush_cache(timeout_s=30)
         return await self._collect(list(seeds), schedule or self.cfg.schedule)
+
+    async def evaluate(self, split: str = "eval", n: int | None = None, k: int = 1, greedy: bool = True,
+                       return_samples: bool = False):
+        """Mean reward and pass@k of the served adapter on held-out prompts (evaluate.py); nothing
+        is trained or published. A dict, with return_samples a (dict, samples DataFrame) pair."""
+        cfg = self.cfg
+        result = await evaluate(self.client, self.task, self.trainer.tokenizer, self.adapter, split=split, n=n, k=k,
+                                greedy=greedy, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                                max_seq_tokens=cfg.max_seq_tokens, concurrency=cfg.concurrency, default_n=cfg.eval_n)
+        return (result.summary, result.samples) if return_samples else result.summary
+
+    def samples(self, step: int | None = None, k: int | None = None):
+        """Step `step`'s trajectories (None: the newest) as a DataFrame (samples.py), first k rows."""
+        return read_samples(self.run_dir, step, k)
+
+    def export(self, path, merge: bool = False) -> Path:
+        """The served adapter as a PEFT adapter folder, or (merge=True) a merged model folder (export.py)."""
+        served = self.publisher.current or self._initial  # before the first step: the version to be served
+        return (export_merged if merge else export_adapter)(served.path, path, self.model_path, self.trainer.tokenizer)
 
     # ---- internals -----------------------------------------------------------------------------
     def _start_server(self, engine: str, model_path: str):
@@ -189,6 +226,17 @@ class GRPORun:
         self.history.truncate(self.trainer.step)
         log.info("resumed %s at step %d", self.run_dir, self.trainer.step)
         return version
+
+    def _skip_update(self, n_constant: int):
+        """No signal (each group's rewards identical: every advantage 0): no backward or optimizer
+        step. The step counts and is checkpointed (resume); the served adapter (same weights) stays."""
+        self.trainer.step += 1
+        try:
+            version = save_adapter_atomic(self._save_fn, self.run_dir / "adapters", self.trainer.step)
+        except AdapterSaveError:
+            self.trainer.step -= 1
+            raise
+        return {"zero_adv_groups": n_constant, "update_skipped": True}, 0.0, (None, None), (version, None, {})
 
     def _save_fn(self, tmp: Path) -> None:
         self.trainer.save_adapter(tmp)
@@ -316,14 +364,15 @@ class GRPORun:
         rewards = [t.reward for t in trajs if t.error is None and t.reward is not None]
         mean = sum(rewards) / len(rewards) if rewards else float("nan")
         std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
-        return {"step": step, "adapter": adapter_name(step), "reward_mean": mean, "reward_std": std,
+        return {"step": step, "adapter": self.adapter, "reward_mean": mean, "reward_std": std,
                 "loss": metrics.get("loss"), "kl": metrics.get("kl"), "clip_frac": metrics.get("clip_frac"),
                 "is_ratio_mean": metrics.get("is_ratio_mean"), "is_ratio_min": metrics.get("is_ratio_min"),
                 "is_ratio_max": metrics.get("is_ratio_max"), "grad_norm": metrics.get("grad_norm"),
                 "tokens": metrics.get("tokens"), "completion_tokens": metrics.get("completion_tokens"),
                 "rollout_s": rollout_s, "train_s": train_s, "reload_s": reload_s, "hit_rate": hit_rate,
                 "release_s": memory_s[0], "resume_s": memory_s[1],
-                "zero_adv_groups": metrics.get("zero_adv_groups"),
+                "zero_adv_groups": metrics.get("zero_adv_groups"), "groups": len(groups),
+                "update_skipped": bool(metrics.get("update_skipped")),
                 "failed_rollouts": sum(t.error is not None for t in trajs),
                 "truncated": sum(bool(t.truncated) for t in trajs), "restarts": self.restarts,
                 "probe_mad": probe.get("probe_mad"), "probe_moved": probe.get("probe_moved"),

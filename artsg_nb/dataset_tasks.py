@@ -161,7 +161,7 @@ class DatasetSource:
             raise ValueError(f"no split {name!r}; this dataset task has: {', '.join(self.splits) or 'no split'} "
                              "(give Task.from_dataset eval_fraction= or eval_rows=)")
         if not self.splits[name]:
-            raise ValueError(f"split {name!r} has no rows")
+            raise ValueError(f"split {name!r} has no rows (give Task.from_dataset eval_fraction= or eval_rows=)")
         return DatasetSource(self.rows, self.prompt, self.reward_funcs, self.reward_weights, self.system_prompt,
                              splits=self.splits, indices=list(self.splits[name]))
 

@@ -86,7 +86,7 @@ class DatasetEnv:
         return StepResult(messages=[], reward=None, done=True)
 
 
-@dataclass
+@dataclass(eq=False, repr=False)  # rows can be large: no field-by-field repr or comparison
 class DatasetSource:
     """Rows, the prompt column, reward functions and weights; `indices` are the rows served."""
 

@@ -37,9 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from .dataset_tasks import DatasetSource
-from .episode import Env, Messages, StepResult
-
-__all__ = ["Env", "Messages", "StepResult", "Task"]  # the protocol of episode.py, re-exported
+from .episode import Env, Messages, StepResult  # noqa: F401  (the Env protocol, re-exported)
 
 
 class UnknownTaskError(ValueError):

@@ -14,7 +14,8 @@ _EXPORTS = {
     "list_gpus": "gpus", "plan_gpus": "gpus",
     "Dashboard": "widgets",
     "LivePlot": "plots", "plot_training": "plots", "plot_engine_comparison": "plots",
-    "get_task": "tasks", "list_tasks": "tasks",
+    "get_task": "tasks", "list_tasks": "tasks", "register_task": "tasks", "resolve_task": "tasks",
+    "Task": "tasks", "Env": "tasks", "StepResult": "tasks",
     "default_model_dir": "tiny_model",
 }
 

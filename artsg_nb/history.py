@@ -30,7 +30,7 @@ COLUMNS: tuple[str, ...] = (
     "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
     "is_ratio_mean", "is_ratio_min", "is_ratio_max", "tokens", "completion_tokens",
     "rollout_s", "train_s", "reload_s", "hit_rate", "zero_adv_groups", "failed_rollouts",
-    "truncated", "release_s", "resume_s", "eval_reward", "eval_pass_at_k",
+    "reward_errors", "truncated", "release_s", "resume_s", "eval_reward", "eval_pass_at_k",
 )
 # release_s / resume_s: seconds to give the server's GPU memory back before training and take it
 # again after; None (NaN in .df) when the run does not release (RunConfig.release_memory).
@@ -145,6 +145,8 @@ class History:
             parts.append(f"eval {row['eval_reward']:.2f}")
             if _present(row.get("eval_pass_at_k")):
                 parts[-1] += f" pass {row['eval_pass_at_k']:.2f}"
+        if _present(row.get("reward_errors")) and row["reward_errors"] > 0:
+            parts.append(f"no reward {int(row['reward_errors'])}")
         return " | ".join(parts)
 
 

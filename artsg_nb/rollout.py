@@ -32,11 +32,14 @@ What it does
   same samples under every schedule.
 
 What it does not do: talk HTTP (engines/), compute advantages (grpo.py), build tensors
-(trainer.py). Env methods are called in the event loop, so they should be quick.
+(trainer.py). Env methods are called in the event loop, so they should be quick, or `async def`
+(awaited: a tool call that hits an API). A task with `group_reward` (dataset tasks) is scored
+once per group after its episodes end; a reward it cannot give is `Trajectory.reward_error`.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import random
@@ -55,6 +58,10 @@ _SENTINEL = "\u2063artsg-sentinel\u2063"  # stands in for a reply to find the te
 
 class RolloutError(RuntimeError):
     """A rollout could not be played (recorded on the Trajectory, not raised to the caller)."""
+
+
+class NoRewardError(RuntimeError):
+    """Every episode of a step that played to the end has a `reward_error`: nothing to train on."""
 
 
 @dataclass
@@ -89,6 +96,10 @@ class Trajectory:
     """Env seed of the group."""
     finish_reasons: list[str] = field(default_factory=list)
     """Server finish reason per model turn: "stop" | "length" | "abort"."""
+    reward_error: str | None = None
+    """Why a played episode has no reward from its task's group scoring (`Task.group_reward`: a
+    reward function raised, or returned None/NaN for it); such an episode is left out of the
+    advantages like a failed one, but counted apart (history column `reward_errors`)."""
     turn_stats: list[dict] = field(default_factory=list)
     """Per model turn: {"prompt_tokens", "cached_tokens"} as the server reported them (the sums
     are `prompt_tokens` / `cached_tokens`); metrics.turn_hit_rates tabulates them."""
@@ -212,6 +223,7 @@ class _Ctx:
     max_turns: int
     fallbacks: int = 0
     seed_base: int | None = None
+    group_scored: bool = False
 
     def seed(self, group_seed: int, turn: int, index: int) -> int | None:
         """Sampling seed of group member `index` at model turn `turn`; None when unseeded."""
@@ -291,9 +303,10 @@ async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_ne
         gen, max_new = await first, first_max_new
         while True:
             _append_model_turn(ctx, traj, gen, max_new)
-            result = env.step(gen.text)
+            result = await _maybe_await(env.step(gen.text))
             if result.done:
-                traj.reward = _finite_reward(result.reward)
+                if not ctx.group_scored:  # else _score_group pays the reward once the group is done
+                    traj.reward = _finite_reward(result.reward)
                 return traj
             if traj.turns >= ctx.max_turns:
                 raise RolloutError(f"the env was not done after max_turns={ctx.max_turns} turns")
@@ -377,7 +390,7 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
     envs, openings = [], []
     try:
         envs = [task.make_env(seed) for _ in range(size)]
-        openings = [env.reset() for env in envs]
+        openings = [await _maybe_await(env.reset()) for env in envs]
         prompts = _render_prompts(ctx.tokenizer, openings)
     except Exception as exc:
         if release is not None:
@@ -404,7 +417,38 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
         done()
         return out
 
-    return TrajectoryGroup(seed, list(await asyncio.gather(*map(play, envs, trajs, firsts, range(size)))))
+    trajs = list(await asyncio.gather(*map(play, envs, trajs, firsts, range(size))))
+    if ctx.group_scored:
+        await _score_group(task, envs, trajs)
+    return TrajectoryGroup(seed, trajs)
+
+
+async def _maybe_await(value):
+    """An env method's result, awaited when the env is async (`async def step`)."""
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _score_group(task, envs: list, trajs: list[Trajectory]) -> None:
+    """Pay the rewards of a group-scored task: one `task.group_reward` call over the members that
+    finished; a failure, or a None/NaN reward, goes to `reward_error` (never raised)."""
+    done = [i for i, t in enumerate(trajs) if t.error is None and t.reward is None]
+    if not done:
+        return
+    try:
+        rewards = list(await _maybe_await(task.group_reward([envs[i] for i in done], [trajs[i] for i in done])))
+        if len(rewards) != len(done):
+            raise RolloutError(f"group_reward returned {len(rewards)} rewards for {len(done)} episodes")
+    except Exception as exc:
+        log.debug("group reward of seed=%d failed", trajs[0].seed, exc_info=True)
+        for i in done:
+            trajs[i].reward_error = f"{type(exc).__name__}: {exc}"
+        return
+    for i, r in zip(done, rewards):
+        value = None if r is None else float(r)
+        if value is None or not math.isfinite(value):
+            trajs[i].reward_error = "no reward: every reward function returned None or NaN for this completion"
+        else:
+            trajs[i].reward = value
 
 
 def _render_prompts(tokenizer, openings: list[list[dict]]) -> list[list[int]]:
@@ -440,7 +484,8 @@ async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_si
     if group_size < 1 or concurrency < 1:
         raise ValueError(f"group_size and concurrency must be >= 1 (got {group_size}, {concurrency})")
     ctx = _Ctx(client, tokenizer, params, adapter, asyncio.Semaphore(concurrency), max_seq_tokens,
-               truncation_reward, max(1, int(getattr(task, "max_turns", 1) or 1)), seed_base=sampling_seed_base)
+               truncation_reward, max(1, int(getattr(task, "max_turns", 1) or 1)), seed_base=sampling_seed_base,
+               group_scored=getattr(task, "group_reward", None) is not None)
     release = _Release(len(seeds)) if schedule == "prefix_sync" and group_size > 1 else None
     with tqdm(total=len(seeds) * group_size, desc="rollouts", disable=not progress) as bar:
         groups = await asyncio.gather(*(
@@ -450,6 +495,17 @@ async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_si
     return list(groups)
 
 
+def require_rewards(groups: Sequence[TrajectoryGroup]) -> None:
+    """Raise NoRewardError when every played episode lacks a reward (a task whose reward
+    functions return None for everything, or always raise), naming the first reason."""
+    played = [t for g in groups for t in g.trajectories if t.error is None]
+    if played and all(t.reward_error is not None for t in played):
+        raise NoRewardError(
+            f"none of the {len(played)} completions got a reward: {played[0].reward_error}. Try: check the task's "
+            "reward functions on a few completions by hand (a TRL reward function returns None where it does not "
+            "apply; at least one function must score each completion), and that they read columns the dataset has.")
+
+
 def rollout_stats(groups: Sequence[TrajectoryGroup]) -> dict:
     """Counts and token totals of a batch of groups (for history rows and benchmarks)."""
     trajs = [t for g in groups for t in g.trajectories]
@@ -457,6 +513,7 @@ def rollout_stats(groups: Sequence[TrajectoryGroup]) -> dict:
     cached = sum(t.cached_tokens for t in trajs)
     return {"trajectories": len(trajs), "failed": sum(t.error is not None for t in trajs),
             "truncated": sum(t.truncated for t in trajs),
+            "reward_errors": sum(t.reward_error is not None for t in trajs),
             "completion_tokens": sum(sum(t.completion_mask) for t in trajs),
             "prompt_tokens": prompt, "cached_tokens": cached,
             "hit_rate": cached / prompt if prompt else None}
@@ -464,6 +521,9 @@ def rollout_stats(groups: Sequence[TrajectoryGroup]) -> dict:
 
 def _log_summary(groups: list[TrajectoryGroup], ctx: _Ctx) -> None:
     stats = rollout_stats(groups)
+    if stats["reward_errors"]:
+        first = next(t.reward_error for g in groups for t in g.trajectories if t.reward_error)
+        log.warning("%d of %d rollouts have no reward (first: %s)", stats["reward_errors"], stats["trajectories"], first)
     if stats["failed"]:
         first = next(t.error for g in groups for t in g.trajectories if t.error)
         log.warning("%d of %d rollouts failed (first: %s)", stats["failed"], stats["trajectories"], first)

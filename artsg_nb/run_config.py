@@ -10,17 +10,26 @@ What it does not do: run anything (session.py).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .grpo import GRPOConfig
+from .tasks import NOT_IMPORTABLE, Task, task_spec
+
+TINY_MODEL_LEARNING_RATE = 3e-3
+"""learning_rate=None on the offline tiny model (both demo tasks climb from ~0.4-0.5 to ~0.85 in
+10 steps of 8x8 on CPU)."""
+REAL_MODEL_LEARNING_RATE = 2e-4
+"""learning_rate=None on any other model: a LoRA rate for models of real size (~1e-5 to 1e-4 is
+the usual full-finetuning range; LoRA takes larger steps)."""
 
 
 @dataclass
 class RunConfig:
     """Everything one GRPO run needs; derive variants with `dataclasses.replace`."""
 
-    task: str = "addition"
-    """Task name (`python -m artsg_nb.train --list-tasks`)."""
+    task: str | Task = "addition"
+    """A registered task name (`python -m artsg_nb.train --list-tasks`), a `Task` object (e.g.
+    `Task.from_dataset(...)`), or "package.module:ATTR" naming a Task in an importable module."""
     engine: str = "auto"
     """"auto" (SGLang with a GPU, the CPU engine without), "sglang", "vllm" or "cpu"."""
     model_path: str | None = None
@@ -35,10 +44,10 @@ class RunConfig:
     """Per turn; None uses the task's own limit."""
     temperature: float = 1.0
     """Sampling temperature; the trainer scores with the same one."""
-    learning_rate: float = 3e-3
-    """AdamW learning rate of the LoRA weights. The default suits the offline tiny model (both
-    demo tasks climb from ~0.4-0.5 to ~0.85 in 10 steps of 8x8 on CPU); models of real size
-    want ~1e-5 to 1e-4."""
+    learning_rate: float | None = None
+    """AdamW learning rate of the LoRA weights. None follows the model: 3e-3
+    (TINY_MODEL_LEARNING_RATE) for the offline tiny model (model_path None, or a directory the
+    tiny-model build made), 2e-4 (REAL_MODEL_LEARNING_RATE) for any other model_path."""
     lora_rank: int = 16
     """LoRA rank (the server is started with --max-lora-rank equal to it)."""
     lora_alpha: int = 32
@@ -109,8 +118,17 @@ class ConfigMismatchError(ValueError):
 
 
 def config_record(cfg: RunConfig) -> dict:
-    """`cfg` as the JSON-able dict saved in run_dir/config.json (tuples as lists, no API key)."""
-    record = json.loads(json.dumps(asdict(cfg), default=str))
+    """`cfg` as the JSON-able dict saved in run_dir/config.json (tuples as lists, no API key).
+
+    `task` is recorded as a spec another process can load (`tasks.resolve_task`): the string as
+    given, or for a Task object "module:ATTR" when an importable module holds it, or its registered
+    built-in name. A Task object defined in a notebook or `__main__` is not importable: the record
+    keeps its name and adds `"task_note": "not importable"`, so the run says which task it was
+    but cannot be started again from config.json alone."""
+    spec, note = task_spec(cfg.task)
+    record = json.loads(json.dumps(asdict(replace(cfg, task=spec)), default=str))
+    if note == NOT_IMPORTABLE:
+        record["task_note"] = NOT_IMPORTABLE
     record.pop("api_key", None)
     return record
 

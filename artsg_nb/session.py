@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import signal
 import time
 from dataclasses import replace
@@ -36,13 +35,14 @@ from .history import History
 from .lora import AdapterPublisher, AdapterSaveError, load_version, probe_served_adapter, save_adapter_atomic
 from .metrics import HitRateTracker, cache_counters, hit_rate
 from .retention import prune_adapters
-from .rollout import collect_groups
-from .run_config import CONFIG_FILE, RunConfig, check_resumable, config_record
+from .rollout import collect_groups, require_rewards
+from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
+                         check_resumable, config_record)
 from .server import ServerConfig, start_server
 from .samples import constant_groups, read_samples, write_rollouts
 from .server_env import server_args
-from .tasks import get_task
-from .tiny_model import default_model_dir
+from .tasks import resolve_task
+from .tiny_model import default_model_dir, is_complete
 from .trackers import Trackers
 from .trainer import CheckpointError, Trainer, TrainerConfig
 
@@ -69,7 +69,7 @@ class GRPORun:
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "GRPORun":
         cfg = self.cfg
-        self.task = get_task(cfg.task)
+        self.task = resolve_task(cfg.task)
         self._save_config()
         self.plan = plan_gpus(list_gpus())
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
@@ -136,6 +136,7 @@ class GRPORun:
         step = self.trainer.step + 1
         t0 = time.perf_counter()
         groups, hit_rate = await self._with_restarts(self._rollouts, step)
+        require_rewards(groups)
         rollout_s = time.perf_counter() - t0
         write_rollouts(self.run_dir, step, groups)
         n_constant, no_signal = constant_groups(groups)
@@ -208,8 +209,15 @@ class GRPORun:
         cfg = self.cfg
         grpo = replace(cfg.grpo, temperature=cfg.temperature)
         return Trainer(TrainerConfig(model_path=model_path, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                     learning_rate=cfg.learning_rate, micro_batch_tokens=cfg.micro_batch_tokens,
+                                     learning_rate=self.learning_rate(model_path), micro_batch_tokens=cfg.micro_batch_tokens,
                                      seed=cfg.seed, grpo=grpo))
+
+    def learning_rate(self, model_path: str) -> float:
+        """cfg.learning_rate, or when None the default for the model (run_config.RunConfig)."""
+        if self.cfg.learning_rate is not None:
+            return self.cfg.learning_rate
+        tiny = self.cfg.model_path is None or is_complete(Path(model_path))  # the tiny build's marker
+        return TINY_MODEL_LEARNING_RATE if tiny else REAL_MODEL_LEARNING_RATE
 
     def _restore_latest(self, adapters: Path):
         # A step is complete once its history row is written: a checkpoint saved after the last
@@ -243,8 +251,7 @@ class GRPORun:
         self.trainer.save_checkpoint(tmp)
 
     def _seeds(self, step: int) -> list[int]:
-        rng = random.Random(self.cfg.seed * 1_000_003 + step)
-        return [rng.randrange(1 << 30) for _ in range(self.cfg.groups_per_step)]
+        return self.task.group_seeds(self.cfg.seed, step, self.cfg.groups_per_step)
 
     def _sampling_seed_base(self, step: int) -> int:
         """Seeds every rollout request of `step` (rollout.request_seed): a redone step, or the
@@ -374,6 +381,7 @@ class GRPORun:
                 "zero_adv_groups": metrics.get("zero_adv_groups"), "groups": len(groups),
                 "update_skipped": bool(metrics.get("update_skipped")),
                 "failed_rollouts": sum(t.error is not None for t in trajs),
+                "reward_errors": sum(t.reward_error is not None for t in trajs),
                 "truncated": sum(bool(t.truncated) for t in trajs), "restarts": self.restarts,
                 "probe_mad": probe.get("probe_mad"), "probe_moved": probe.get("probe_moved"),
                 "time": time.time()}

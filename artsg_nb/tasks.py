@@ -1,8 +1,10 @@
-"""Example environments with verifiable rewards: a single-turn task and multi-turn agent tasks.
+"""Tasks: the public `Task` type, its registry and specs, and example environments.
 
-What it does: defines the `Env` protocol a rollout drives (`reset()` gives the opening messages,
-`step(reply)` gives the environment's answer and, at the end, the reward), and two tasks small
-enough for the offline tiny model to learn on CPU within ~10 GRPO steps, and a third for demos:
+What it does: `Task` (episodes of an `Env`, episode.py; `Task.from_dataset` for TRL-style
+dataset tasks, dataset_tasks.py), `register_task`, and `resolve_task` for the three ways to name a
+task (a registered name, a Task object, "package.module:ATTR"); `task_spec` records one in
+config.json. The example tasks are small enough for the offline tiny model to learn on CPU within
+~10 GRPO steps, and a third is for demos:
 
 - `addition`: "What is 3 + 4?" -> "7" (operands 0..9). Single turn; an exact checker that wants
   the bare number (a sentence scores 0), with partial credit for a near miss, so the G samples
@@ -27,41 +29,33 @@ functions of the reply text and never raise, whatever the text.
 """
 from __future__ import annotations
 
+import importlib
 import random
 import re
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
-Messages = list[dict]
+from .dataset_tasks import DatasetSource
+from .episode import Env, Messages, StepResult  # noqa: F401  (the Env protocol, re-exported)
 
 
 class UnknownTaskError(ValueError):
     """`get_task` was given a name that is not registered."""
 
 
-@dataclass
-class StepResult:
-    """What the environment answers to one model reply."""
-
-    messages: Messages
-    """Next user/tool messages to append (empty when done)."""
-    reward: float | None
-    """Final reward when done, else None."""
-    done: bool
-    """True when the episode is over."""
-
-
-class Env(Protocol):
-    """One episode of a task."""
-
-    def reset(self) -> Messages: ...
-
-    def step(self, reply: str) -> StepResult: ...
+class TaskImportError(UnknownTaskError):
+    """A "package.module:ATTR" task spec did not import (the message says which part failed)."""
 
 
 @dataclass(frozen=True)
 class Task:
-    """A named family of episodes; `make_env(seed)` is one episode (one GRPO group per seed)."""
+    """A named family of episodes; `make_env(seed)` is one episode (one GRPO group per seed).
+
+    Define one in any module and train it with `RunConfig(task=my_task)` or
+    `python -m artsg_nb.train --task my_module:my_task`; `register_task` adds it to the names
+    `get_task` and `--list-tasks` know. `Task.from_dataset` builds one from rows and TRL-style
+    reward functions."""
 
     name: str
     """Registry name, e.g. "addition"."""
@@ -73,9 +67,53 @@ class Task:
     """Generation limit per model reply."""
     factory: Callable[[int], Env] = field(repr=False, compare=False)
     """Builds the episode for a seed; the same seed gives the same opening prompt."""
+    teacher: Callable | None = field(default=None, repr=False, compare=False)
+    """Scripted policy `teacher(env, rng, noise) -> reply` for the tiny model's pretraining corpus
+    (`pretraining_corpus`); None for tasks the tiny model is not pretrained on."""
+    group_reward: Callable | None = field(default=None, repr=False, compare=False)
+    """`async group_reward(envs, trajectories) -> list[float | None]`: scores a finished group at
+    once (the envs' final rewards are then None). None: each env pays its own reward."""
+    source: DatasetSource | None = field(default=None, repr=False, compare=False)
+    """The rows of a dataset task (`from_dataset`); None for other tasks."""
 
     def make_env(self, seed: int) -> Env:
         return self.factory(seed)
+
+    def group_seeds(self, run_seed: int, step: int, count: int) -> list[int]:
+        """The env seeds of step `step`'s `count` groups (steps count from 1). Dataset tasks walk
+        their rows epoch by epoch (dataset_tasks.py); others draw seeds from (run_seed, step)."""
+        if self.source is not None:
+            return self.source.group_seeds(run_seed, step, count)
+        rng = random.Random(run_seed * 1_000_003 + step)
+        return [rng.randrange(1 << 30) for _ in range(count)]
+
+    @classmethod
+    def from_dataset(cls, rows, prompt: str = "prompt", reward_funcs: Sequence[Callable] = (),
+                     reward_weights: Sequence[float] | None = None, system_prompt: str | None = None,
+                     max_new_tokens: int = 256, name: str = "dataset", description: str | None = None,
+                     eval_fraction: float = 0.0, eval_rows: Sequence[int] | None = None, split_seed: int = 0) -> "Task":
+        """A single-turn task over `rows` (a list of dicts or a `datasets.Dataset`), as TRL's
+        GRPOTrainer takes one: `prompt` names the column holding text or chat messages (a list of
+        {"role", "content"}), `reward_funcs` are TRL reward functions `f(prompts, completions,
+        **columns) -> list[float | None]`, called once per group and summed with `reward_weights`
+        (default all 1). `system_prompt` is put before every prompt. `eval_fraction` (a seeded
+        share of the rows, by `split_seed`) or `eval_rows` (row numbers) are held out: the task
+        trains on the rest, and `task.split("eval")` is the same task over the held-out rows.
+        Raises DatasetColumnError (listing the columns) when there is no `prompt` column."""
+        source = DatasetSource(rows, prompt, list(reward_funcs), reward_weights, system_prompt)
+        source = source.with_split(eval_fraction, eval_rows, split_seed)
+        names = ", ".join(getattr(f, "__name__", type(f).__name__) for f in source.reward_funcs)
+        return cls(name, description or f"dataset: {len(source)} rows of column {prompt!r}, rewards {names}",
+                   max_turns=1, max_new_tokens=max_new_tokens, factory=source.make_env,
+                   group_reward=source.score_group, source=source)
+
+    def split(self, part: str) -> "Task":
+        """This dataset task over the rows of one split: "train" (what it trains on) or "eval"."""
+        if self.source is None:
+            raise ValueError(f"task {self.name!r} is not a dataset task; only Task.from_dataset tasks have splits")
+        source = self.source.part(part)
+        return replace(self, name=f"{self.name}[{part}]", factory=source.make_env,
+                       group_reward=source.score_group, source=source)
 
 
 _INT = re.compile(r"\s*(-?[0-9]{1,9})\s*")  # one ASCII integer (\d would take "٣"); 9 digits bound int()
@@ -267,20 +305,29 @@ def _guess_teacher(env: GuessNumberEnv, rng: random.Random, noise: float) -> str
 
 
 # ---- registry ----------------------------------------------------------------------------------
-_TASKS: dict[str, Task] = {
-    t.name: t
-    for t in [
-        Task("addition", f"single turn: add two numbers from 0..{ADDITION_MAX_OPERAND}, reply with the sum",
-             max_turns=1, max_new_tokens=8, factory=AdditionEnv),
-        Task("price_lookup", "multi-turn agent: look up an item's price with a tool, then answer it "
-             "(long shared system prompt)", max_turns=SHOP_TURNS, max_new_tokens=8, factory=PriceLookupEnv),
-        Task("guess_number", f"multi-turn game: find a number in 1..{GUESS_HI} from higher/lower answers in "
-             f"{GUESS_TURNS} guesses (long shared system prompt; the tiny model is not pretrained on it)",
-             max_turns=GUESS_TURNS, max_new_tokens=8, factory=GuessNumberEnv),
-    ]
-}
-_TEACHERS: dict[str, Callable] = {"addition": _addition_teacher, "price_lookup": _shop_teacher,
-                                  "guess_number": _guess_teacher}
+_BUILTIN = [
+    Task("addition", f"single turn: add two numbers from 0..{ADDITION_MAX_OPERAND}, reply with the sum",
+         max_turns=1, max_new_tokens=8, factory=AdditionEnv, teacher=_addition_teacher),
+    Task("price_lookup", "multi-turn agent: look up an item's price with a tool, then answer it "
+         "(long shared system prompt)", max_turns=SHOP_TURNS, max_new_tokens=8, factory=PriceLookupEnv,
+         teacher=_shop_teacher),
+    Task("guess_number", f"multi-turn game: find a number in 1..{GUESS_HI} from higher/lower answers in "
+         f"{GUESS_TURNS} guesses (long shared system prompt; the tiny model is not pretrained on it)",
+         max_turns=GUESS_TURNS, max_new_tokens=8, factory=GuessNumberEnv, teacher=_guess_teacher),
+]
+_TASKS: dict[str, Task] = {t.name: t for t in _BUILTIN}
+
+
+def register_task(task: Task, replace_existing: bool = False) -> Task:
+    """Make `task` known by its name (get_task, `--task NAME`, `--list-tasks`) in this process;
+    returns it. "module:ATTR" specs work without registering."""
+    if not isinstance(task, Task):
+        raise TypeError(f"register_task takes a Task, not {type(task).__name__}")
+    if task.name in _TASKS and _TASKS[task.name] is not task and not replace_existing:
+        raise ValueError(f"a task named {task.name!r} is already registered; pick another name or pass "
+                         "replace_existing=True")
+    _TASKS[task.name] = task
+    return task
 
 
 def list_tasks() -> list[Task]:
@@ -291,7 +338,53 @@ def get_task(name: str) -> Task:
     try:
         return _TASKS[name]
     except KeyError:
-        raise UnknownTaskError(f"unknown task {name!r}; known tasks: {', '.join(_TASKS)}") from None
+        raise UnknownTaskError(f"unknown task {name!r}; known tasks: {', '.join(_TASKS)}. A task defined in "
+                               "a module is given as \"package.module:ATTR\".") from None
+
+
+def resolve_task(spec: "str | Task") -> Task:
+    """A Task from a registered name, a Task object, or "package.module:ATTR" (the module is
+    imported; ATTR may be dotted). Raises UnknownTaskError / TaskImportError saying what failed."""
+    if isinstance(spec, Task) or ":" not in str(spec):
+        return spec if isinstance(spec, Task) else get_task(spec)
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name + ".").startswith(e.name + "."):
+            raise TaskImportError(f"task {spec!r}: module {module_name!r} not found (no {e.name!r} on sys.path). "
+                                  "Try: run from the directory that holds it, or add that directory to "
+                                  "PYTHONPATH.") from None
+        raise TaskImportError(f"task {spec!r}: module {module_name!r} was found but failed to import: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise TaskImportError(f"task {spec!r}: module {module_name!r} imported, but it has no attribute "
+                                  f"{attr!r} (missing: {part!r}).") from None
+        obj = getattr(obj, part)
+    if not isinstance(obj, Task):
+        raise TaskImportError(f"task {spec!r}: {attr!r} is a {type(obj).__name__}, not an artsg_nb Task")
+    return obj
+
+
+NOT_IMPORTABLE = "not importable"  # task_spec's note for a Task defined in a notebook or __main__
+
+
+def task_spec(task: "str | Task") -> tuple[str, str | None]:
+    """(spec, note) to record a task in config.json. A string is kept as given. A Task object
+    gives "module:ATTR" when a module other than __main__ holds it at top level, else its
+    registered name when get_task returns it, else its name with the note NOT_IMPORTABLE: such a
+    run records which task it was, but no other process can load it by that spec."""
+    if isinstance(task, str):
+        return task, None
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or mod_name == "__main__" or mod_name.startswith("artsg_nb"):
+            continue
+        for attr, value in list((getattr(mod, "__dict__", None) or {}).items()):
+            if value is task and not attr.startswith("_"):
+                return f"{mod_name}:{attr}", None
+    if _TASKS.get(task.name) is task and any(t is task for t in _BUILTIN):
+        return task.name, None
+    return task.name, NOT_IMPORTABLE
 
 
 def play(env: Env, policy: Callable[[Messages], str], max_turns: int) -> tuple[Messages, float]:
@@ -310,14 +403,16 @@ def play(env: Env, policy: Callable[[Messages], str], max_turns: int) -> tuple[M
 def pretraining_corpus(n: int, seed: int = 0, mix: list[str] | None = None, noise: float = 0.5) -> list[Messages]:
     """`n` transcripts (system/user/assistant/tool messages) played by teachers that make their
     mistake with probability `noise` per reply, taking the tasks named in `mix` in turn
-    (default: every task once; repeat a name to weight it)."""
+    (default: each of the package's own tasks once; repeat a name to weight it). Only tasks with a
+    `teacher` can be played, so a user task never enters the tiny model's build."""
     rng = random.Random(seed)
-    tasks = [get_task(name) for name in mix] if mix else list_tasks()
+    tasks = [get_task(name) for name in mix] if mix else [t for t in _BUILTIN if t.teacher is not None]
+    if missing := [t.name for t in tasks if t.teacher is None]:
+        raise ValueError(f"no scripted teacher (Task.teacher) for {', '.join(missing)}")
     corpus = []
     for i in range(n):
         task = tasks[i % len(tasks)]
         env = task.make_env(rng.randrange(1 << 30))
-        teacher = _TEACHERS[task.name]
-        messages, _ = play(env, lambda _msgs: teacher(env, rng, noise), task.max_turns)
+        messages, _ = play(env, lambda _msgs: task.teacher(env, rng, noise), task.max_turns)
         corpus.append(messages)
     return corpus

@@ -1,64 +1,77 @@
-"""Headless GRPO: `python -m artsg_nb.train --task NAME --steps N [--engine ...] [--run-dir D]`.
+"""Headless GRPO: `python -m artsg_nb.train --task SPEC --steps N [--engine ...] [--run-dir D]`.
 
-The same code path as the notebooks (session.GRPORun), for clusters and for checks. Prints one
-line per step and leaves adapters, checkpoints, history.jsonl, the server log and a plot of the
-curves in the run directory. `--list-tasks` prints one task per line, its name first. A user
-error (unknown task, no server environment, no GPU, bad model path, busy port, lost server, ...)
-prints its message, which says what to try, without a traceback and exits with status 1.
+The same code path as the notebooks (session.GRPORun), for clusters and for checks. The flags are
+generated from the dataclasses (tyro): every RunConfig field (`--model-path`, `--learning-rate`,
+`--max-new-tokens`, `--group-size`, ...) and GRPOConfig's under `--grpo.` (`--grpo.loss-type`,
+`--grpo.beta`, ...), plus `--steps` and `--list-tasks`; `--help` lists them with their docstrings.
+`--task` takes a registered name, or "package.module:ATTR" naming a Task in an importable module
+(the current directory is on the path). Without `--run-dir` a run goes to runs/<task name>.
+
+Prints one line per step and leaves adapters, checkpoints, history.jsonl, the server log and a
+plot of the curves in the run directory. `--list-tasks` prints one task per line, its name first.
+A user error (unknown task, a task spec that does not import, no server environment, no GPU, bad
+model path, busy port, lost server, ...) prints its message, which says what to try, without a
+traceback and exits with status 1.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
+import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Annotated
 
+import tyro
+from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
+
+from .dataset_tasks import DatasetColumnError
 from .engines import AdapterRankError, MemorySaverError
 from .gpus import CudaAlreadyInitializedError, NoGpuError
-from .grpo import GRPOConfig
 from .lora import AdapterSaveError
 from .plots import save_training_plot
+from .rollout import NoRewardError
+from .run_config import ConfigMismatchError
 from .server import ServerError
 from .server_env import ServerEnvNotFoundError
 from .session import GRPORun, RunConfig, ServerLostError
-from .tasks import UnknownTaskError, list_tasks
+from .tasks import Task, UnknownTaskError, list_tasks, resolve_task
 from .trainer import CheckpointError
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m artsg_nb.train", description=__doc__.splitlines()[0])
-    p.add_argument("--task", default="addition", help="task name (see --list-tasks)")
-    p.add_argument("--steps", type=int, default=10, help="GRPO steps to run")
-    p.add_argument("--engine", default="auto", choices=["auto", "cpu", "sglang", "vllm"])
-    p.add_argument("--run-dir", default=None, help="output directory (default runs/<task>)")
-    p.add_argument("--model", default=None, help="base model directory (default: the offline tiny model)")
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--groups-per-step", type=int, default=8)
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default RunConfig's)")
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--loss", default="dapo", choices=["grpo", "dr_grpo", "dapo"])
-    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the adapter-disabled model")
-    p.add_argument("--is-mode", default=None,
-                   choices=["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
-    p.add_argument("--schedule", default="prefix", choices=["prefix", "naive", "n"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
-    p.add_argument("--max-restarts", type=int, default=2)
-    p.add_argument("--release-memory", default="off", choices=["off", "on", "auto"],
-                   help="release the server's GPU memory around each training step (auto: one shared GPU)")
-    p.add_argument("--list-tasks", action="store_true", help="print the tasks and exit")
-    return p.parse_args(argv)
+@dataclass
+class TrainArgs:
+    """GRPO of a LoRA adapter, headless: the notebook's GRPORun from the command line."""
+
+    run: Annotated[RunConfig, tyro.conf.arg(name="")] = field(default_factory=RunConfig)
+    steps: int = 10
+    """GRPO steps to run."""
+    list_tasks: bool = False
+    """Print the registered tasks (name, tab, description) and exit."""
 
 
-def config_from_args(a: argparse.Namespace) -> RunConfig:
-    cfg = RunConfig(task=a.task, engine=a.engine, model_path=a.model, run_dir=a.run_dir or f"runs/{a.task}",
-                    group_size=a.group_size, groups_per_step=a.groups_per_step, lora_rank=a.lora_rank,
-                    lora_alpha=2 * a.lora_rank, schedule=a.schedule, seed=a.seed, resume=a.resume,
-                    max_restarts=a.max_restarts,
-                    release_memory={"off": False, "on": True}.get(a.release_memory, a.release_memory),
-                    grpo=GRPOConfig(loss_type=a.loss, beta=a.beta, is_mode=a.is_mode))
-    return replace(cfg, learning_rate=a.lr) if a.lr is not None else cfg
+_REGISTRY = ConstructorRegistry()
+
+
+@_REGISTRY.primitive_rule
+def _task_flag(type_info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
+    """`--task` is one string (a name or "module:ATTR"), resolved by the session, not a subcommand."""
+    if type_info.type != (str | Task):
+        return None
+    return PrimitiveConstructorSpec(nargs=1, metavar="NAME|MODULE:ATTR", instance_from_str=lambda args: args[0],
+                                    is_instance=lambda x: isinstance(x, (str, Task)),
+                                    str_from_instance=lambda x: [x if isinstance(x, str) else x.name])
+
+
+def parse_args(argv=None) -> TrainArgs:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with _REGISTRY:
+        args = tyro.cli(TrainArgs, args=argv, prog="python -m artsg_nb.train",
+                        description=__doc__.splitlines()[0])
+    if not any(a == "--run-dir" or a.startswith("--run-dir=") for a in argv):
+        name = resolve_task(args.run.task).name if ":" in str(args.run.task) else args.run.task
+        args.run = replace(args.run, run_dir=f"runs/{name}")
+    return args
 
 
 async def _train(run: GRPORun, steps: int) -> None:
@@ -68,7 +81,8 @@ async def _train(run: GRPORun, steps: int) -> None:
 def user_errors() -> tuple[type[Exception], ...]:
     """Errors whose message already says what happened and what to try: no traceback for them."""
     return (UnknownTaskError, ServerEnvNotFoundError, NoGpuError, CudaAlreadyInitializedError, ServerError,
-            ServerLostError, AdapterSaveError, AdapterRankError, CheckpointError, MemorySaverError)
+            ServerLostError, AdapterSaveError, AdapterRankError, CheckpointError, MemorySaverError,
+            DatasetColumnError, NoRewardError, ConfigMismatchError)
 
 
 def main(argv=None) -> int:
@@ -80,14 +94,15 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # "--task mymod:task" finds mymod.py where the command runs
     a = parse_args(argv)
     if a.list_tasks:
         for t in list_tasks():
             print(f"{t.name}\t{t.description}")
         return 0
-    cfg = config_from_args(a)
     t0 = time.perf_counter()
-    with GRPORun(cfg) as run:
+    with GRPORun(a.run) as run:
         asyncio.run(_train(run, a.steps))
         df = run.history.df
     save_training_plot(df, run.run_dir / "training.png")

@@ -136,7 +136,7 @@ def test_pretraining_corpus_is_deterministic_and_clean_teachers_are_right():
     rng = random.Random(0)
     for task in list_tasks():
         env = task.make_env(7)
-        teacher = tasks._TEACHERS[task.name]
+        teacher = task.teacher
         best = 1.0 if task.name != "guess_number" else 0.7  # binary search may need all 4 guesses
         assert play(env, lambda _m: teacher(env, rng, 0.0), task.max_turns)[1] >= best
 

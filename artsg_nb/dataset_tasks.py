@@ -1,0 +1,234 @@
+"""Dataset tasks in TRL's shape: prompts from a column, rewards from TRL-style reward functions.
+
+What it does: `DatasetSource` serves the rows of a list of dicts or a `datasets.Dataset` as
+single-turn episodes (`Task.from_dataset` in tasks.py wraps it in a Task) and scores a finished
+group with reward functions of TRL's signature `f(prompts, completions, **kwargs) -> list[float |
+None]`, called once per group with the keywords TRL 1.15's `GRPOTrainer._calculate_rewards`
+passes: `prompts`, `completions` (text for text prompts, `[{"role": "assistant", "content": ...}]`
+for chat prompts), `completion_ids`, every other dataset column as a list, `trainer_state` (an
+object with `global_step` and `epoch`), `log_extra` and `log_metric`. Async reward functions are
+awaited. The reward is TRL's weighted sum over functions, skipping None/NaN (TRL's nansum); a
+sample that no function scores has no reward (None), and rollout.py records that on the
+trajectory, which GRPO then leaves out of the advantages (TRL would count it as 0).
+
+Rows and epochs: the group seed picks the row. `group_seeds(run_seed, step, count)` numbers the
+groups of a run 0, 1, 2, ... (encoded with the run seed), and group i plays row
+perm_e[i mod n] of epoch e = i // n, perm_e a permutation seeded by (run seed, e): every row once
+per epoch, in a new order each epoch, the same order in every run with that seed. Any other seed
+still maps to a row deterministically. A train/eval split by rows (`eval_fraction` or
+`eval_rows`) is disjoint by construction: `part("eval")` serves only held-out rows.
+
+What it does not do: multi-turn episodes (write an Env for those), tokenise, or render prompts
+(rollout.py applies the chat template; a text prompt becomes one user message, where TRL would
+feed raw text to a non-chat model).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .episode import Messages, StepResult
+
+log = logging.getLogger(__name__)
+
+_SEED_BITS = 32
+"""Group seeds are run_seed · 2**32 + group index."""
+_NOT_COLUMNS = ("completion", "completion_ids")
+"""Keys TRL never passes on as columns (besides the prompt column, passed as `prompts`)."""
+
+
+class DatasetColumnError(ValueError):
+    """The dataset has no column of the given name (the message lists the columns it has)."""
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised or returned the wrong number of rewards (recorded per trajectory)."""
+
+
+@dataclass
+class RewardState:
+    """The part of TRL's `trainer_state` a reward function can read for reward shaping."""
+
+    global_step: int = 0
+    """Optimizer steps completed before the rollouts being scored."""
+    epoch: float = 0.0
+    """Passes over the rows so far (fractional), at the scored group."""
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _is_chat(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+class DatasetEnv:
+    """One row as a single-turn episode; the reward comes later, from the group's scoring."""
+
+    def __init__(self, source: "DatasetSource", row: int, epoch: float = 0.0):
+        self.source, self.row, self.epoch = source, row, epoch
+        self.reward_parts: dict[str, float | None] = {}
+        """Each reward function's raw value for this episode, by name, once scored."""
+
+    def reset(self) -> Messages:
+        prompt = self.source.row(self.row)[self.source.prompt]
+        system = [{"role": "system", "content": self.source.system_prompt}] if self.source.system_prompt else []
+        if self.source.chat:
+            return system + [dict(m) for m in prompt]
+        return system + [{"role": "user", "content": str(prompt)}]
+
+    def step(self, reply: str) -> StepResult:
+        return StepResult(messages=[], reward=None, done=True)
+
+
+@dataclass(eq=False, repr=False)  # rows can be large: no field-by-field repr or comparison
+class DatasetSource:
+    """Rows, the prompt column, reward functions and weights; `indices` are the rows served."""
+
+    rows: Any
+    prompt: str
+    reward_funcs: Sequence[Callable]
+    reward_weights: Sequence[float] | None = None
+    system_prompt: str | None = None
+    splits: dict[str, list[int]] = field(default_factory=dict)
+    indices: list[int] = field(default_factory=list)
+    state: RewardState = field(default_factory=RewardState)
+    logged: dict[str, list] = field(default_factory=dict)
+    """What reward functions passed to `log_metric` / `log_extra`, by name."""
+
+    def __post_init__(self):
+        columns = self.columns()
+        if self.prompt not in columns:
+            raise DatasetColumnError(f"the dataset has no column {self.prompt!r}; its columns are: "
+                                     f"{', '.join(map(repr, columns)) or '(none)'}. Try: prompt=<one of them>.")
+        if len(self) == 0:
+            raise ValueError("the dataset has no rows")
+        if not self.reward_funcs or not all(callable(f) for f in self.reward_funcs):
+            raise ValueError(f"reward_funcs must be a non-empty list of callables (got {self.reward_funcs!r})")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"{len(self.reward_weights)} reward_weights for {len(self.reward_funcs)} reward_funcs")
+        self.weights = list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_funcs)
+        first = self.row(0)[self.prompt]
+        self.chat = _is_chat(first)
+        if not self.chat and not isinstance(first, str):
+            raise ValueError(f"column {self.prompt!r} holds {type(first).__name__}; it must hold text or chat "
+                             "messages (a list of {'role', 'content'} dicts)")
+        self._perms: dict[tuple[int, int], list[int]] = {}
+
+    # ---- rows ----------------------------------------------------------------------------------
+    def columns(self) -> list[str]:
+        if hasattr(self.rows, "column_names"):  # datasets.Dataset
+            return list(self.rows.column_names)
+        keys: dict[str, None] = {}
+        for r in self.rows[:1]:
+            keys.update(dict.fromkeys(r))
+        return list(keys)
+
+    def row(self, i: int) -> dict:
+        return dict(self.rows[i])
+
+    def __len__(self) -> int:
+        return len(self.indices) if self.indices else len(self.rows)
+
+    def with_split(self, eval_fraction: float, eval_rows: Sequence[int] | None, seed: int) -> "DatasetSource":
+        """Hold out `eval_rows` (row numbers) or a seeded `eval_fraction` of the rows; serve the rest."""
+        n = len(self.rows)
+        if eval_rows is not None:
+            held = sorted(set(int(i) for i in eval_rows))
+            if any(not 0 <= i < n for i in held):
+                raise ValueError(f"eval_rows must be row numbers in 0..{n - 1}")
+        else:
+            if not 0.0 <= eval_fraction < 1.0:
+                raise ValueError(f"eval_fraction must be in [0, 1) (got {eval_fraction})")
+            k = min(n - 1, max(1, round(n * eval_fraction))) if eval_fraction > 0 else 0
+            held = sorted(random.Random(f"split/{seed}").sample(range(n), k))
+        held_set = set(held)
+        train = [i for i in range(n) if i not in held_set]
+        if not train:
+            raise ValueError("the split leaves no training rows")
+        self.splits = {"train": train, "eval": held}
+        self.indices = train
+        return self
+
+    def part(self, name: str) -> "DatasetSource":
+        """The same task over one split's rows ("train" or "eval")."""
+        if name not in self.splits:
+            raise ValueError(f"no split {name!r}; this dataset task has: {', '.join(self.splits) or 'no split'} "
+                             "(give Task.from_dataset eval_fraction= or eval_rows=)")
+        if not self.splits[name]:
+            raise ValueError(f"split {name!r} has no rows (give Task.from_dataset eval_fraction= or eval_rows=)")
+        return DatasetSource(self.rows, self.prompt, self.reward_funcs, self.reward_weights, self.system_prompt,
+                             splits=self.splits, indices=list(self.splits[name]))
+
+    # ---- seeds → rows --------------------------------------------------------------------------
+    def group_seeds(self, run_seed: int, step: int, count: int) -> list[int]:
+        """Seeds of step `step`'s `count` groups (steps count from 1): groups numbered run-wide."""
+        self.state.global_step = step - 1
+        first = (step - 1) * count
+        return [(run_seed << _SEED_BITS) + first + j for j in range(count)]
+
+    def row_of_seed(self, seed: int) -> int:
+        """The row group `seed` plays (see the module docstring)."""
+        run_seed, i = divmod(seed, 1 << _SEED_BITS)
+        served = self.indices or list(range(len(self.rows)))
+        epoch, pos = divmod(i, len(served))
+        perm = self._perms.get((run_seed, epoch))
+        if perm is None:
+            perm = list(range(len(served)))
+            random.Random(f"{run_seed}/{epoch}").shuffle(perm)
+            self._perms = {(run_seed, epoch): perm}  # only the current epoch's is kept
+        return served[perm[pos]]
+
+    def make_env(self, seed: int) -> DatasetEnv:
+        return DatasetEnv(self, self.row_of_seed(seed), epoch=(seed % (1 << _SEED_BITS)) / len(self))
+
+    # ---- rewards -------------------------------------------------------------------------------
+    async def score_group(self, envs: Sequence[DatasetEnv], trajectories: Sequence) -> list[float | None]:
+        """One call of each reward function for the group; the weighted sum per sample (None when
+        no function gave a value). Raises RewardFunctionError naming the function that failed."""
+        rows = [self.row(e.row) for e in envs]
+        prompts = [r[self.prompt] for r in rows]
+        texts = [next((m["content"] for m in reversed(t.messages) if m.get("role") == "assistant"), "")
+                 for t in trajectories]
+        completions = [[{"role": "assistant", "content": x}] for x in texts] if self.chat else texts
+        ids = [[tok for tok, m in zip(t.token_ids, t.completion_mask) if m] for t in trajectories]
+        self.state.epoch = envs[0].epoch if envs else self.state.epoch
+        kwargs = {k: [r.get(k) for r in rows] for k in rows[0] if k != self.prompt and k not in _NOT_COLUMNS}
+        kwargs.update(trainer_state=self.state, log_extra=self._log_extra, log_metric=self._log_metric)
+        per_func = []
+        for fn in self.reward_funcs:
+            try:
+                out = fn(prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
+                if inspect.isawaitable(out):
+                    out = await out
+                out = list(out)
+            except Exception as e:
+                raise RewardFunctionError(f"reward function {_name(fn)!r} raised {type(e).__name__}: {e}") from e
+            if len(out) != len(prompts):
+                raise RewardFunctionError(f"reward function {_name(fn)!r} returned {len(out)} rewards for "
+                                          f"{len(prompts)} completions (one per completion expected)")
+            per_func.append([_finite_or_none(r) for r in out])
+        rewards = []
+        for j, env in enumerate(envs):
+            env.reward_parts = {_name(fn): vals[j] for fn, vals in zip(self.reward_funcs, per_func)}
+            parts = [w * vals[j] for w, vals in zip(self.weights, per_func) if vals[j] is not None]
+            rewards.append(sum(parts) if parts else None)
+        return rewards
+
+    def _log_metric(self, name: str, value) -> None:
+        self.logged.setdefault(name, []).append(value)
+
+    def _log_extra(self, column: str, values) -> None:
+        self.logged.setdefault(column, []).extend(list(values))
+
+
+def _finite_or_none(value) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None

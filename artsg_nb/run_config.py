@@ -79,6 +79,12 @@ class RunConfig:
     (e.g. the attention/sampling backends an offline GPU bundle needs)."""
     api_key: str | None = None
     """Sent to the server (SGLang --api-key) and by the client."""
+    num_servers: int = 1
+    """Inference servers. Above 1 they run behind sglang-router (fleet.py): a group's samples
+    stay on one server's prefix cache, every adapter version is loaded on all of them before it
+    is used, a dead one is restarted (or dropped once max_restarts is spent). CPU: N CPU engines;
+    one GPU: N servers share it (memory fraction 0.70 / N each); several GPUs: one GPU each
+    (gpus.plan_gpus). History gains worker_hit_rates and worker_prompt_tokens."""
     verbose: bool = True
     """Print one progress line per step."""
 

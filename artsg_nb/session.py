@@ -29,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .engines import SamplingParams, ServerUnavailableError, memory_tags
+from .fleet import Fleet, fleet_configs
 from .gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History
 from .lora import AdapterPublisher, AdapterSaveError, adapter_name, load_version, probe_served_adapter, save_adapter_atomic
@@ -66,7 +67,7 @@ class GRPORun:
         cfg = self.cfg
         self.task = get_task(cfg.task)
         self._save_config()
-        self.plan = plan_gpus(list_gpus())
+        self.plan = plan_gpus(list_gpus(), num_servers=cfg.num_servers)
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
         self.release = _resolve_release(cfg, self.plan.mode)
         self.plan = replace(self.plan, release_server_memory=self.release)
@@ -132,6 +133,8 @@ class GRPORun:
         metrics, train_s, memory_s = await self._train(groups)
         version, reload_s, probe = await self._save_and_reload(groups)
         row = self._row(step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe, memory_s)
+        if isinstance(self.server, Fleet):  # per-worker hit rate and load of this step's rollouts
+            row.update(self.server.worker_stats())
         self.history.append(row)
         if self.cfg.verbose:
             print(self.history.format_row(row), flush=True)
@@ -165,6 +168,8 @@ class GRPORun:
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
                             api_key=cfg.api_key, extra_args=extra, enable_memory_saver=self.release,
                             enable_weights_cpu_backup=self.release and "weights" in cfg.release_tags)
+        if self.plan.num_servers > 1:  # N engines behind sglang-router, looking like one server
+            return Fleet(fleet_configs(scfg, self.plan), self.run_dir).start()
         return start_server(scfg)
 
     def _make_trainer(self, model_path: str):
@@ -262,7 +267,7 @@ class GRPORun:
                 await self._restart_or_raise(e)
 
     async def _restart_or_raise(self, err: Exception) -> None:
-        if self.restarts >= self.cfg.max_restarts:
+        if self.restarts >= self.cfg.max_restarts and not self._dropped_dead_workers():
             policy = ("automatic restarts are off (max_restarts=0)" if self.cfg.max_restarts == 0 else
                       f"all {self.cfg.max_restarts} restarts allowed by max_restarts are used")
             raise ServerLostError(
@@ -278,6 +283,10 @@ class GRPORun:
         self.client = self.server.client()
         self.publisher.client = self.client
         await self.publisher.republish()
+
+    def _dropped_dead_workers(self) -> bool:
+        """Restarts exhausted with several servers: go on without the dead ones while any remain."""
+        return isinstance(self.server, Fleet) and self.server.drop_dead()
 
     async def _save_and_reload(self, groups):
         previous = self.publisher.current

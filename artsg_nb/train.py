@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-restarts", type=int, default=2)
     p.add_argument("--release-memory", default="off", choices=["off", "on", "auto"],
                    help="release the server's GPU memory around each training step (auto: one shared GPU)")
+    p.add_argument("--servers", type=int, default=1,
+                   help="inference servers; above 1 behind sglang-router (RunConfig.num_servers)")
     p.add_argument("--list-tasks", action="store_true", help="print the tasks and exit")
     return p.parse_args(argv)
 
@@ -55,7 +57,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
     cfg = RunConfig(task=a.task, engine=a.engine, model_path=a.model, run_dir=a.run_dir or f"runs/{a.task}",
                     group_size=a.group_size, groups_per_step=a.groups_per_step, lora_rank=a.lora_rank,
                     lora_alpha=2 * a.lora_rank, schedule=a.schedule, seed=a.seed, resume=a.resume,
-                    max_restarts=a.max_restarts,
+                    max_restarts=a.max_restarts, num_servers=a.servers,
                     release_memory={"off": False, "on": True}.get(a.release_memory, a.release_memory),
                     grpo=GRPOConfig(loss_type=a.loss, beta=a.beta, is_mode=a.is_mode))
     return replace(cfg, learning_rate=a.lr) if a.lr is not None else cfg

@@ -5,24 +5,30 @@ filtered by a `CUDA_VISIBLE_DEVICES` that was set before us); `plan_gpus()` turn
 into a `GpuPlan`:
 
   - 2+ GPUs → "split":     the server owns GPU 0, the trainer (the notebook kernel) GPUs 1..n;
+                           with `num_servers` N and `server_tp` T, N servers own T GPUs each
+                           (`server_groups`) and the trainer the rest, or `trainer_ranks` of them
+                           (num_servers="auto": half the GPUs serve, e.g. 8 GPUs → 4 + 4);
   - 1 GPU   → "colocated": both share it; the server takes `server_mem_fraction` (0.45) of its
                            memory and can give it back around training (session.RunConfig.
-                           release_memory; SGLang's memory saver);
-  - none    → "cpu":       the CPU engine and a CPU trainer.
+                           release_memory; SGLang's memory saver); N servers take 0.70 / N each;
+  - none    → "cpu":       the CPU engine and a CPU trainer (N CPU engines).
 
 `GpuPlan.server_env()` is the environment for the server subprocess; `apply_to_kernel(plan)`
 sets the kernel's `CUDA_VISIBLE_DEVICES`, which only works before CUDA initialises in the kernel
 (architecture fact 5), and says so loudly when it is too late.
 
+`plan.for_server(i)` is the plan server i is started with (its own GPUs, its memory fraction).
+
 What it does not: no CUDA calls of its own (NVML does not initialise CUDA), no MIG slices, no
-tensor-parallel server across GPUs, no memory release itself (that is an HTTP call, see client).
+launch flags (a tensor-parallel server's --tp-size is fleet.py's), no memory release itself (that
+is an HTTP call, see client).
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Sequence
 
 import pynvml  # nvidia-ml-py: loads libnvidia-ml only at nvmlInit, so it imports anywhere
@@ -32,6 +38,8 @@ log = logging.getLogger(__name__)
 Mode = Literal["split", "colocated", "cpu"]
 COLOCATED_MEM_FRACTION = 0.45
 """Server share of the one GPU in colocated mode; the trainer gets the rest."""
+COLOCATED_FLEET_FRACTION = 0.70
+"""All servers' share of the one GPU when several share it (0.35 each for two)."""
 
 _MODES = ("split", "colocated", "cpu")
 _original_visible: str | None = None   # CUDA_VISIBLE_DEVICES before apply_to_kernel changed it
@@ -84,6 +92,21 @@ class GpuPlan:
     RunConfig.release_memory, so the plan it shows says what the run does."""
     gpus: tuple[GpuInfo, ...] = field(default=(), compare=False)
     """The GPUs the plan was made from, for display."""
+    server_groups: tuple[tuple[int, ...], ...] = ()
+    """One tuple of physical indexes per server (several servers, or a tensor-parallel one);
+    empty means one server on `server_gpus`. Colocated servers all name the one GPU."""
+    server_tp: int = 1
+    """GPUs per server (tensor parallel size)."""
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.server_groups) or 1
+
+    def for_server(self, i: int) -> "GpuPlan":
+        """The plan server `i` is started with: its own GPUs (server_env) and memory fraction."""
+        if not self.server_groups:
+            return self
+        return replace(self, server_gpus=self.server_groups[i], server_groups=(self.server_groups[i],))
 
     @property
     def trainer_devices(self) -> list[str]:
@@ -101,18 +124,25 @@ class GpuPlan:
 
     def describe(self) -> str:
         """A few lines for the notebook: mode, then one line per GPU with its role and memory."""
-        head = {"split": f"split: server on GPU {_join(self.server_gpus)}, "
-                         f"trainer on GPU {_join(self.trainer_gpus)}",
-                "colocated": f"colocated: server and trainer share GPU {_join(self.server_gpus)}",
-                "cpu": "cpu: no GPU, the CPU engine serves and the trainer runs on CPU"}[self.mode]
+        n, tp = self.num_servers, f" (tensor parallel {self.server_tp})" if self.server_tp > 1 else ""
+        servers = (f"{n} servers on GPU " + " | ".join(_join(g) for g in self.server_groups) if n > 1
+                   else f"server on GPU {_join(self.server_gpus)}") + tp
+        head = {"split": f"split: {servers}, trainer on GPU {_join(self.trainer_gpus)}",
+                "colocated": f"colocated: {'%d servers' % n if n > 1 else 'server'} and trainer share "
+                             f"GPU {_join(self.server_gpus)}",
+                "cpu": f"cpu: no GPU, {f'{n} CPU engines serve' if n > 1 else 'the CPU engine serves'} "
+                       "and the trainer runs on CPU"}[self.mode]
         if self.server_mem_fraction is not None:
-            head += f"; server memory fraction {self.server_mem_fraction:.2f}"
+            head += f"; server memory fraction {self.server_mem_fraction:.2f}{' each' if n > 1 else ''}"
         if self.release_server_memory:
             head += "; server memory released around training"
         lines = [f"GPU plan: {head}"]
         for g in self.gpus:
-            role = ("server+trainer" if g.index in self.server_gpus and g.index in self.trainer_gpus
-                    else "server" if g.index in self.server_gpus
+            which = [i for i, grp in enumerate(self.server_groups) if g.index in grp] if n > 1 else []
+            server = f"server {','.join(map(str, which))}" if which and self.mode == "split" else (
+                f"{n} servers" if which else "server")
+            role = (f"{server}+trainer" if g.index in self.server_gpus and g.index in self.trainer_gpus
+                    else server if g.index in self.server_gpus
                     else "trainer" if g.index in self.trainer_gpus else "idle")
             lines.append(f"  GPU {g.index}  {g.name:<22} {g.mem_used_mib / 1024:6.1f} / "
                          f"{g.mem_total_mib / 1024:6.1f} GiB used  → {role}")
@@ -166,35 +196,60 @@ def _visible(gpus: list[GpuInfo], spec: str | None) -> list[GpuInfo]:
 
 def plan_gpus(gpus: Sequence[GpuInfo] | None = None, server_mem_fraction: float | None = None,
               prefer: Literal["auto", "split", "colocated", "cpu"] = "auto",
-              release_server_memory: bool = False) -> GpuPlan:
+              release_server_memory: bool = False, num_servers: int | Literal["auto"] = 1,
+              trainer_ranks: int | None = None, server_tp: int = 1) -> GpuPlan:
     """Plan roles for `gpus` (default: `list_gpus()`).
 
     prefer: "auto" picks by count (0 → cpu, 1 → colocated, 2+ → split); "colocated" shares
     GPU 0 even when there are more; "split" needs 2+ GPUs; "cpu" ignores the GPUs.
-    server_mem_fraction: the server's share of its GPU; default 0.45 colocated, else engine default.
+    server_mem_fraction: each server's share of its GPU; default 0.45 colocated (0.70 / N for
+    N servers on the one GPU), else engine default.
     release_server_memory: what the plan shows for memory release; off by default, as
     RunConfig.release_memory is (GRPORun sets it from that setting).
+    num_servers: inference servers (behind sglang-router when more than one); "auto" gives half
+    the GPUs (in whole servers of `server_tp`) to servers when split, else 1.
+    trainer_ranks: GPUs for the trainer when split (one DDP rank each); None: all the rest.
+    server_tp: GPUs per server (tensor parallel), for a model one GPU cannot hold.
     """
     gpus = tuple(list_gpus() if gpus is None else gpus)
     if prefer not in ("auto", *_MODES):
         raise ValueError(f"prefer={prefer!r}; use one of 'auto', 'split', 'colocated', 'cpu'")
     if server_mem_fraction is not None and not 0 < server_mem_fraction < 1:
         raise ValueError(f"server_mem_fraction={server_mem_fraction} must be in (0, 1)")
+    if server_tp < 1 or (trainer_ranks is not None and trainer_ranks < 1):
+        raise ValueError(f"server_tp={server_tp} and trainer_ranks={trainer_ranks} must be ≥ 1")
     mode = prefer
     if prefer == "auto":
-        mode = "cpu" if not gpus else "colocated" if len(gpus) == 1 else "split"
+        mode = "cpu" if not gpus else "colocated" if len(gpus) == 1 and server_tp == 1 else "split"
     if mode != "cpu" and not gpus:
         require_gpu(gpus)
     if mode == "split" and len(gpus) < 2:
         raise ValueError(f"prefer='split' needs 2+ GPUs, found {len(gpus)}; use 'colocated' or 'auto'")
+    if num_servers == "auto":
+        num_servers = max(1, len(gpus) // 2 // server_tp) if mode == "split" else 1
+    if not isinstance(num_servers, int) or num_servers < 1:
+        raise ValueError(f"num_servers={num_servers!r}; use an integer ≥ 1 or 'auto'")
     if mode == "cpu":
-        return GpuPlan("cpu", gpus=gpus)
+        return GpuPlan("cpu", gpus=gpus, server_groups=((),) * num_servers if num_servers > 1 else ())
     first = gpus[0].index
     if mode == "colocated":
-        return GpuPlan("colocated", (first,), (first,),
-                       server_mem_fraction or COLOCATED_MEM_FRACTION, release_server_memory, gpus)
-    return GpuPlan("split", (first,), tuple(g.index for g in gpus[1:]), server_mem_fraction,
-                   release_server_memory, gpus)
+        if server_tp > 1:
+            raise ValueError(f"server_tp={server_tp} needs {server_tp} GPUs per server; colocated shares one")
+        share = server_mem_fraction or (COLOCATED_MEM_FRACTION if num_servers == 1
+                                        else round(COLOCATED_FLEET_FRACTION / num_servers, 3))
+        return GpuPlan("colocated", (first,), (first,), share, release_server_memory, gpus,
+                       server_groups=((first,),) * num_servers if num_servers > 1 else ())
+    serving = num_servers * server_tp
+    ranks = len(gpus) - serving if trainer_ranks is None else trainer_ranks
+    if ranks < 1 or serving + ranks > len(gpus):
+        raise ValueError(
+            f"{num_servers} server(s) × {server_tp} GPU(s) + {ranks} trainer rank(s) do not fit on "
+            f"{len(gpus)} GPUs. Try: fewer servers (num_servers), trainer_ranks=None, or prefer='colocated'.")
+    idx = [g.index for g in gpus]
+    groups = tuple(tuple(idx[i * server_tp:(i + 1) * server_tp]) for i in range(num_servers))
+    return GpuPlan("split", tuple(idx[:serving]), tuple(idx[serving:serving + ranks]), server_mem_fraction,
+                   release_server_memory, gpus,
+                   server_groups=groups if num_servers > 1 or server_tp > 1 else (), server_tp=server_tp)
 
 
 def require_gpu(gpus: Sequence[GpuInfo] | None = None) -> list[GpuInfo]:

@@ -180,3 +180,23 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class MaskedScorer:
+    """Adapts `client.score` to return only the probe's model-token positions."""
+
+    def __init__(self, client, mask, temperature):
+        self.client, self.mask, self.temperature = client, mask, temperature
+
+    async def score(self, ids, adapter=None):
+        lps = await self.client.score(ids, adapter=adapter, temperature=self.temperature)
+        return [x for x, m in zip(lps, self.mask) if m]
+
+
+def probe_trajectory(groups):
+    """The first trajectory of a step with model tokens: what the served adapter is checked on."""
+    for g in groups:
+        for t in g.trajectories:
+            if t.error is None and sum(t.completion_mask) > 0:
+                return t
+    return None

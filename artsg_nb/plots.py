@@ -114,7 +114,12 @@ def plot_hit_rate(df: pd.DataFrame, ax: Axes | None = None,
         ax.legend(loc="lower right", fontsize="small")
     if not _has_data(rate):
         return _no_data(ax)
-    ax.plot(step, rate, marker=".", color="tab:cyan")
+    ax.plot(step, rate, marker=".", color="tab:cyan", label="all workers" if "worker_hit_rates" in df else None)
+    if "worker_hit_rates" in df:  # several servers (RunConfig.num_servers): a thin line per worker
+        per = pd.DataFrame([r if isinstance(r, list) else [] for r in df["worker_hit_rates"]], dtype=float)
+        for w in per:
+            ax.plot(step, per[w].to_numpy(), linewidth=0.8, alpha=0.7, label=f"worker {w}")
+        ax.legend(loc="lower right", fontsize="small")
     ax.set_ylim(0, 1.05)
     return ax
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from .engines import memory_tags
 from .grpo import GRPOConfig
 from .tasks import NOT_IMPORTABLE, Task, task_spec
 
@@ -88,6 +89,12 @@ class RunConfig:
     (e.g. the attention/sampling backends an offline GPU bundle needs)."""
     api_key: str | None = None
     """Sent to the server (SGLang --api-key) and by the client."""
+    num_servers: int = 1
+    """Inference servers. Above 1 they run behind sglang-router (fleet.py): a group's samples
+    stay on one server's prefix cache, every adapter version is loaded on all of them before it
+    is used, a dead one is restarted (or dropped once max_restarts is spent). CPU: N CPU engines;
+    one GPU: N servers share it (memory fraction 0.70 / N each); several GPUs: one GPU each
+    (gpus.plan_gpus). History gains worker_hit_rates and worker_prompt_tokens."""
     verbose: bool = True
     """Print one progress line per step."""
     eval_every: int = 0
@@ -144,3 +151,13 @@ def check_resumable(saved: dict, cfg: RunConfig) -> None:
             f"({CONFIG_FILE} in {cfg.run_dir}): " + "; ".join(changed) + ". A resumed run must compute "
             "what the original would have. Try: resume with the saved values "
             "(RunConfig(**json.load(open(path)))), or start a new run in another run_dir.")
+
+
+def resolve_release(cfg: RunConfig, mode: str) -> bool:
+    """cfg.release_memory → bool ("auto": only when server and trainer share one GPU)."""
+    memory_tags(cfg.release_tags)  # a typo fails before anything is launched
+    if cfg.release_memory == "auto":
+        return mode == "colocated"
+    if not isinstance(cfg.release_memory, bool):
+        raise ValueError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto'")
+    return cfg.release_memory

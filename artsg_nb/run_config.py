@@ -34,7 +34,10 @@ class RunConfig:
     engine: str = "auto"
     """"auto" (SGLang with a GPU, the CPU engine without), "sglang", "vllm" or "cpu"."""
     model_path: str | None = None
-    """Base model directory; None builds the offline tiny model."""
+    """Base model: a directory, a hub id (e.g. "Qwen/Qwen2.5-0.5B-Instruct", fetched by the engine
+    and transformers where a hub is reachable), or a model artsg_nb builds offline
+    ("smollm2-135m-instruct", `python -m artsg_nb.models --list`); None builds the offline tiny
+    model. Exports name this (a built model by its hub id) as their base."""
     run_dir: str = "runs/quickstart"
     """Adapters, checkpoints, history and server logs go here."""
     group_size: int = 8

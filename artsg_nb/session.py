@@ -35,6 +35,7 @@ from .history import History
 from .lora import (AdapterPublisher, AdapterSaveError, MaskedScorer, load_version, probe_served_adapter,
                    probe_trajectory, save_adapter_atomic)
 from .metrics import HitRateTracker, cache_counters, hit_rate
+from .models import base_model_id, resolve_model
 from .retention import prune_adapters
 from .rollout import collect_groups, require_rewards
 from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, resolve_release,
@@ -43,7 +44,7 @@ from .server import ServerConfig, exit_status, start_server
 from .samples import constant_groups, read_samples, write_rollouts
 from .server_env import server_args
 from .tasks import resolve_task
-from .tiny_model import default_model_dir, is_complete
+from .tiny_model import default_model_dir, is_tiny_build
 from .trackers import Trackers
 from .trainer import CheckpointError, Trainer, TrainerConfig
 
@@ -79,7 +80,9 @@ class GRPORun:
         if engine != "cpu" and self.plan.mode == "cpu":
             require_gpu()
         apply_to_kernel(self.plan)
-        model_path = self.model_path = cfg.model_path or str(default_model_dir())
+        # A registered real model's name (models.py) → its offline build; a directory or hub id as is.
+        model_path = resolve_model(cfg.model_path) if cfg.model_path else str(default_model_dir())
+        self.model_path = base_model_id(cfg.model_path) if cfg.model_path else model_path
         self.server = self._start_server(engine, model_path)
         self.client = self.server.client()
         self.trainer = self._make_trainer(model_path)
@@ -221,7 +224,7 @@ class GRPORun:
         """cfg.learning_rate, or when None the default for the model (run_config.RunConfig)."""
         if self.cfg.learning_rate is not None:
             return self.cfg.learning_rate
-        tiny = self.cfg.model_path is None or is_complete(Path(model_path))  # the tiny build's marker
+        tiny = self.cfg.model_path is None or is_tiny_build(model_path)
         return TINY_MODEL_LEARNING_RATE if tiny else REAL_MODEL_LEARNING_RATE
 
     def _restore_latest(self, adapters: Path):

@@ -373,6 +373,15 @@ def is_complete(out_dir: Path, marker: dict | None = None) -> bool:
         return False
 
 
+def is_tiny_build(out_dir) -> bool:
+    """Whether `out_dir` holds a finished build of this module (any size or recipe), not another
+    model that also keeps a `.complete` marker (artsg_nb.models writes one too)."""
+    try:
+        return {"size", "pretrain_steps"} <= set(json.loads((Path(out_dir) / ".complete").read_text()))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def _write_model(tmp: Path, size: str, seed: int, pretrain_steps: int) -> None:
 
     tokenizer = train_tokenizer()

@@ -114,6 +114,10 @@ def test_learning_rate_follows_the_model(tiny_model_dir, tmp_path):
     assert GRPORun(RunConfig(model_path=str(tiny_model_dir))).learning_rate(str(tiny_model_dir)) == 3e-3
     assert GRPORun(RunConfig(model_path=str(tmp_path))).learning_rate(str(tmp_path)) == 2e-4
     assert GRPORun(RunConfig(model_path=str(tmp_path), learning_rate=1e-5)).learning_rate(str(tmp_path)) == 1e-5
+    built = tmp_path / "smollm2"  # a real model built offline by artsg_nb.models carries a .complete of its own
+    built.mkdir()
+    (built / ".complete").write_text('{"name": "smollm2-135m-instruct", "recipe": "x"}')
+    assert GRPORun(RunConfig(model_path=str(built))).learning_rate(str(built)) == 2e-4
 
 
 def test_cli_flags_come_from_the_dataclasses(user_module):

@@ -155,3 +155,32 @@ def test_a_huge_prompt_does_not_stall_other_clients(server):
     small, big, done = asyncio.run(go())
     assert small.status_code == 200 and big.status_code == 400  # longer than the context: refused
     assert done["small"] < done["huge"], "the small request waited for the huge prompt's tokenising"
+
+
+def test_a_request_failing_in_the_decode_batch_fails_alone(model_dir):
+    """Past the request boundary (a value no check foresaw): its sampling fails in the middle of
+    a decode batch → that request ends with its error, the others of the batch finish normally."""
+    import threading
+
+    from artsg_nb.cpu_engine.metrics import EngineMetrics
+    from artsg_nb.cpu_engine.model import ModelRunner
+    from artsg_nb.cpu_engine.request import Request
+    from artsg_nb.cpu_engine.sampling import RequestSampling
+    from artsg_nb.cpu_engine.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(ModelRunner(str(model_dir)), SchedulerConfig(), EngineMetrics("faults"))
+    scheduler.start()
+    done = threading.Semaphore(0)
+    good = RequestSampling(max_new_tokens=8, ignore_eos=True, sampling_seed=3)
+    bad = RequestSampling(max_new_tokens=8, ignore_eos=True, temperature=float("nan"))  # not via the checks
+    reqs = [Request(input_ids=[5, 6, 7 + i], params=bad if i == 2 else good, return_logprob=True,
+                    on_event=lambda r, finished: finished and done.release()) for i in range(4)]
+    try:
+        scheduler.submit(reqs)
+        for _ in reqs:
+            assert done.acquire(timeout=60)
+    finally:
+        scheduler.stop()
+    assert reqs[2].error and "probability tensor" in reqs[2].error
+    assert [r.error for i, r in enumerate(reqs) if i != 2] == [None] * 3
+    assert all(len(r.output_ids) == 8 for i, r in enumerate(reqs) if i != 2)

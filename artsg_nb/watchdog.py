@@ -1,12 +1,13 @@
 """A per-step deadline on a hung server: poll /health and the process, SIGKILL a server that stopped answering.
 
 What it does: `HealthWatchdog` runs as a background task while a GRPO step talks to the server.
-Every `hang_timeout_s / 6` it asks GET /health (with a short timeout) and reads the process state
-(a stopped process, e.g. SIGSTOP, counts as not answering). A server that has not answered for
-`hang_timeout_s` — at least three failed polls in a row spanning that long, so one poll delayed by
-a training step that holds the event loop never counts as a hang — gets its whole process group
-SIGKILLed. Every request in flight then fails at once, and the session's restart logic restarts
-the server and redoes the step (the per-request timeout alone would wait 600 s). `paused()` stops
+Every `hang_timeout_s / 6` it asks GET /health (waiting up to `hang_timeout_s / 2` for the answer,
+so a busy server's slow /health is not a hang) and reads the process state (a stopped process,
+e.g. SIGSTOP, counts as not answering). A server that has not answered for `hang_timeout_s` — at
+least two failed polls in a row and no answer for that long, so one poll delayed by synchronous
+work that holds the event loop never counts as a hang — gets its whole process group SIGKILLed.
+Every request in flight then fails at once, and the session's restart logic restarts the server
+and redoes the step (the per-request timeout alone would wait 600 s). `paused()` stops
 the polls while the server must not be probed (starting up, GPU memory released: SGLang's /health
 generates a token).
 
@@ -26,7 +27,7 @@ import psutil
 
 log = logging.getLogger(__name__)
 
-MIN_FAILED_POLLS = 3
+MIN_FAILED_POLLS = 2
 
 
 class HealthWatchdog:
@@ -35,6 +36,7 @@ class HealthWatchdog:
     def __init__(self, server_fn, client_fn, hang_timeout_s: float):
         self.server_fn, self.client_fn, self.hang_timeout_s = server_fn, client_fn, hang_timeout_s
         self.interval_s = max(hang_timeout_s / 6, 0.05)
+        self.poll_timeout_s = max(hang_timeout_s / 2, 0.1)
         self.fired = 0  # how many servers it killed
         self._task: asyncio.Task | None = None
         self._paused = 0
@@ -62,26 +64,25 @@ class HealthWatchdog:
             self._paused -= 1
 
     async def _watch(self) -> None:
-        first_failure, failures = None, 0
+        answered, failures = time.monotonic(), 0  # the last answer (or the watch's start)
         while True:
             await asyncio.sleep(self.interval_s)
             server = self.server_fn()
             if self._paused or server is None or not server.alive():
-                first_failure, failures = None, 0  # a dead server is the restart logic's to find
+                answered, failures = time.monotonic(), 0  # a dead server is the restart logic's to find
                 continue
-            if await self._answers(server):
-                first_failure, failures = None, 0
+            if await self._answers(server) or self._paused:
+                answered, failures = time.monotonic(), 0
                 continue
-            now = time.monotonic()
-            first_failure = first_failure if first_failure is not None else now - self.interval_s
             failures += 1
-            if failures >= MIN_FAILED_POLLS and now - first_failure >= self.hang_timeout_s and not self._paused:
+            silent_s = time.monotonic() - answered
+            if failures >= MIN_FAILED_POLLS and silent_s >= self.hang_timeout_s:
                 log.error("%s server pid %s has not answered /health for %.1f s (hang_timeout_s=%g); "
                           "killing its process group so that the step is redone on a restarted server",
-                          server.config.engine, server.pid, now - first_failure, self.hang_timeout_s)
+                          server.config.engine, server.pid, silent_s, self.hang_timeout_s)
                 _kill_group(server)
                 self.fired += 1
-                first_failure, failures = None, 0
+                answered, failures = time.monotonic(), 0
 
     async def _answers(self, server) -> bool:
         try:
@@ -89,7 +90,7 @@ class HealthWatchdog:
                 return False
         except psutil.Error:
             return False
-        return await self.client_fn().health(timeout_s=self.interval_s)
+        return await self.client_fn().health(timeout_s=self.poll_timeout_s)
 
 
 def _kill_group(server) -> None:

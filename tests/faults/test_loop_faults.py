@@ -8,16 +8,17 @@ another policy, no gap in history, no error that does not say which file and wha
 In order (injected fault → what is checked):
   - half-written `.tmp-policy-step-*` directories left by a crash (one old, one being written)
     → the old one is removed at start, the fresh one left alone;
-  - SIGKILL during the rollouts of step 2, then SIGKILL again while the restart republishes
-    policy-step-1 → a second restart (not an error: restarts are left), policy-step-1 loaded on
-    it, and every rollout of step 2 sampled under policy-step-1 (before: the publisher forgot
-    the version, and step 2 was trained on base-model samples, recorded as a normal row);
+  - SIGKILL during the rollouts of step 1, then SIGKILL again while the restart republishes
+    policy-step-0 → a second restart (not an error: restarts are left), policy-step-0 loaded on
+    it, and every rollout of step 1 sampled under policy-step-0 (before: the publisher forgot
+    the version, and the step was trained on base-model samples, recorded as a normal row; with
+    policy-step-0 = base the samples agree, so the adapter of each request is what is checked);
   - the session forgets what the server should serve → no rollout runs, AdapterMismatchError;
-  - SIGKILL while the served adapter of step 3 is verified (`score`) → restart, verified again,
-    row 3 written (before: the error escaped and history went on [1, 2, 4]);
-  - the history write of step 4 fails after its adapter was saved → the error goes up, and the
-    next step() writes row 4 before step 5 (before: [1, 2, 3, 5]);
-  - SIGSTOP of the server mid-rollout of step 6 → the watchdog kills it after hang_timeout_s,
+  - SIGKILL while the served adapter of step 2 is verified (`score`) → restart, verified again,
+    row 2 written (before: the error escaped and history went on [1, 3]);
+  - the history write of step 3 fails after its adapter was saved → the error goes up, and the
+    next step() writes row 3 before step 4 (before: [1, 2, 4]);
+  - SIGSTOP of the server mid-rollout of step 5 → the watchdog kills it after hang_timeout_s,
     the step is redone on a restarted server within seconds (before: blocked for the 600 s
     request timeout);
   - a checkpoint whose optimizer.safetensors is garbage ("header too large") or whose
@@ -86,26 +87,26 @@ def test_stale_half_written_adapters_are_removed_at_start(run):
 
 
 def test_second_death_during_the_restart_keeps_the_adapter(run, monkeypatch, faults):
-    step(run)  # step 1, undisturbed
     adapters = record_generate(monkeypatch)
     rollout_kill = faults.kill_after_replies(run, 1)
-    republish_kill = faults.kill_before(SGLangClient, "load_adapter", run, lambda _, name, path: name == "policy-step-1")
+    # load 1 is step 1's first publish of policy-step-0; load 2 the republish after the first death
+    republish_kill = faults.kill_before(SGLangClient, "load_adapter", run, lambda n, name, path: n == 2)
 
     row = step(run)
     assert rollout_kill.fired and republish_kill.fired and run.server.alive()
-    assert row["step"] == 2 and row["restarts"] == run.restarts == 2  # the second death took a restart too
-    assert [c[0] for c in republish_kill.calls] == ["policy-step-1", "policy-step-1", "policy-step-2"]
-    assert adapters and set(adapters) == {"policy-step-1"}, "step 2 sampled from another policy than policy-step-1"
-    assert faults.history_steps(run.run_dir) == [1, 2]
+    assert row["step"] == 1 and row["restarts"] == run.restarts == 2  # the second death took a restart too
+    assert [c[0] for c in republish_kill.calls] == ["policy-step-0"] * 3 + ["policy-step-1"]
+    assert adapters and set(adapters) == {"policy-step-0"}, "step 1 sampled from another policy than policy-step-0"
+    assert faults.history_steps(run.run_dir) == [1]
 
 
 def test_rollouts_never_run_under_another_adapter_than_the_trainers(run, monkeypatch):
     adapters = record_generate(monkeypatch)
     served = run.publisher.served
     monkeypatch.setattr(run.publisher, "served", [])  # the session lost track of the served version
-    with pytest.raises(AdapterMismatchError, match="expects rollouts from policy-step-2.*no rollout was run"):
+    with pytest.raises(AdapterMismatchError, match="expects rollouts from policy-step-1.*no rollout was run"):
         step(run)
-    assert adapters == [] and run.trainer.step == 2
+    assert adapters == [] and run.trainer.step == 1
     run.publisher.served = served
 
 
@@ -113,9 +114,9 @@ def test_server_killed_while_verifying_the_reload(run, faults):
     restarts = run.restarts
     kill = faults.kill_before(SGLangClient, "score", run, lambda n, *args: n == 1)
     row = step(run)
-    assert kill.fired and run.server.alive() and row["step"] == 3 and run.restarts == restarts + 1
+    assert kill.fired and run.server.alive() and row["step"] == 2 and run.restarts == restarts + 1
     assert len(kill.calls) == 2 and row["probe_mad"] is not None  # verified again on the new server
-    assert faults.history_steps(run.run_dir) == [1, 2, 3]
+    assert faults.history_steps(run.run_dir) == [1, 2]
 
 
 def test_failed_history_write_leaves_no_gap(run, monkeypatch, faults):
@@ -126,11 +127,11 @@ def test_failed_history_write_leaves_no_gap(run, monkeypatch, faults):
 
     monkeypatch.setattr(run.history, "append", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        step(run)  # step 4 trained, saved and served; its row not written
-    assert faults.history_steps(run.run_dir) == [1, 2, 3] and run.trainer.step == 4
+        step(run)  # step 3 trained, saved and served; its row not written
+    assert faults.history_steps(run.run_dir) == [1, 2] and run.trainer.step == 3
     monkeypatch.setattr(run.history, "append", append)
     row = step(run)
-    assert row["step"] == 5 and faults.history_steps(run.run_dir) == [1, 2, 3, 4, 5]
+    assert row["step"] == 4 and faults.history_steps(run.run_dir) == [1, 2, 3, 4]
 
 
 def test_hung_server_is_killed_and_the_step_redone(run, monkeypatch):
@@ -155,7 +156,7 @@ def test_hung_server_is_killed_and_the_step_redone(run, monkeypatch):
     row = step(run)
     took = time.monotonic() - t0
     assert stopped and run.server.pid != stopped["pid"] and run.server.alive()
-    assert run.watchdog.fired == 1 and row["step"] == 6 and run.restarts == restarts + 1
+    assert run.watchdog.fired == 1 and row["step"] == 5 and run.restarts == restarts + 1
     assert row["failed_rollouts"] == 0 and took < 60  # hang_timeout_s 3 s + a restart, not 600 s
     with pytest.raises(ProcessLookupError):
         os.kill(stopped["pid"], 0)
@@ -164,8 +165,8 @@ def test_hung_server_is_killed_and_the_step_redone(run, monkeypatch):
 @pytest.mark.parametrize("file, garbage", [("optimizer.safetensors", b"\xff" * 16),  # "header too large"
                                            ("trainer_state.json", b"\xff\xfe{")])  # UnicodeDecodeError
 def test_corrupt_checkpoint_names_the_file(run, tmp_path, file, garbage):
-    copy = tmp_path / "policy-step-3"
-    shutil.copytree(run.run_dir / "adapters" / "policy-step-3", copy)
+    copy = tmp_path / "policy-step-2"
+    shutil.copytree(run.run_dir / "adapters" / "policy-step-2", copy)
     (copy / file).write_bytes(garbage)
     step_before = run.trainer.step
     with pytest.raises(CheckpointError) as err:

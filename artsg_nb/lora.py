@@ -29,6 +29,7 @@ from .engines import UnknownAdapterError
 log = logging.getLogger(__name__)
 
 ADAPTER_FILE = "adapter_model.safetensors"
+STALE_TMP_S = 600.0  # a half-written adapter directory untouched this long is left from a crash
 
 
 @dataclass
@@ -93,15 +94,39 @@ def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> Adapter
     return AdapterVersion(adapter_name(step), final, step, digest)
 
 
+def remove_stale_tmp(adapters_dir: str | Path, older_than_s: float = STALE_TMP_S) -> list[str]:
+    """Remove `.tmp-policy-step-*` directories left by a save that crashed (killed kernel, power
+    loss) and not touched for `older_than_s`: a save in progress writes into its directory, and a
+    run directory has one writer. Returns the names removed."""
+    removed, now = [], time.time()
+    for tmp in Path(adapters_dir).glob(".tmp-policy-step-*"):
+        try:
+            newest = max([tmp.stat().st_mtime] + [p.stat().st_mtime for p in tmp.rglob("*")])
+        except FileNotFoundError:
+            continue
+        if now - newest >= older_than_s:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp.name)
+    if removed:
+        log.warning("removed half-written adapter directories of an earlier crash: %s", sorted(removed))
+    return removed
+
+
 def load_version(adapters_dir: str | Path, step: int) -> AdapterVersion:
     """The saved adapter of `step`, its checksum checked against the file."""
     path = Path(adapters_dir) / adapter_name(step)
-    stored = (path / "sha256.txt").read_text().strip() if (path / "sha256.txt").exists() else None
+    try:
+        stored = (path / "sha256.txt").read_text().strip() if (path / "sha256.txt").exists() else None
+    except UnicodeDecodeError as e:
+        raise AdapterMismatchError(f"{path / 'sha256.txt'} is corrupt ({e}); move {path} out of the run "
+                                   "directory and resume from the checkpoint before it") from e
     if stored is None or not (path / ADAPTER_FILE).exists():
         raise AdapterSaveError(f"{path} is not a complete adapter (no {ADAPTER_FILE} or sha256.txt)")
     actual = file_sha256(path / ADAPTER_FILE)
     if actual != stored:
-        raise AdapterMismatchError(f"{path}: checksum {actual[:12]} differs from the stored {stored[:12]}")
+        raise AdapterMismatchError(f"{path}: checksum {actual[:12]} differs from the stored {stored[:12]}: "
+                                   f"{path / ADAPTER_FILE} is corrupt. Move {path} out of the run directory and "
+                                   "resume from the checkpoint before it (resume=True)")
     return AdapterVersion(path.name, path, step, stored)
 
 
@@ -136,10 +161,17 @@ class AdapterPublisher:
         return time.perf_counter() - t0
 
     async def republish(self) -> None:
-        """After a server restart: load the newest version again (the server lost it)."""
-        versions, self.served = self.served, []
-        if versions:
-            await self.publish(versions[-1])
+        """After a server restart: load the newest version again (the server lost it).
+
+        The newest version is remembered until a load of it succeeds: a server that dies during
+        this load leaves `served` as it was, so the next restart loads it again (forgetting it
+        would make the next rollouts sample from the base model)."""
+        if not self.served:
+            return
+        newest = self.served[-1]
+        check_inside(newest.path, self.run_dir)
+        await self.client.load_adapter(newest.name, str(newest.path.resolve()))
+        self.served = [newest]
 
     async def _unload(self, name: str) -> None:
         try:

@@ -70,6 +70,10 @@ class RunConfig:
     """Seeds prompts, sampling and LoRA initialisation."""
     max_restarts: int = 2
     """Server restarts allowed per run when it dies; 0 raises at once."""
+    hang_timeout_s: float = 60.0
+    """A server that answers neither /health nor anything else for this long during a step (hung,
+    SIGSTOPped, deadlocked) is killed and restarted like one that died, and the step's server work
+    redone; 0 turns the watchdog off (then only the 600 s per-request timeout is left)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in run_dir."""
     verify_adapter: bool = True
@@ -117,8 +121,8 @@ class RunConfig:
 
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
-_OPERATIONAL = frozenset({"resume", "verbose", "max_restarts", "verify_adapter", "concurrency", "api_key",
-                          "server_args", "release_memory", "release_tags", "run_dir",
+_OPERATIONAL = frozenset({"resume", "verbose", "max_restarts", "hang_timeout_s", "verify_adapter", "concurrency",
+                          "api_key", "server_args", "release_memory", "release_tags", "run_dir",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to"})
 """Fields that change how a run is operated, not what it computes: a resumed run may change them."""
 

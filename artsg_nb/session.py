@@ -32,21 +32,22 @@ from .export import export_adapter, export_merged
 from .fleet import Fleet, fleet_configs
 from .gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History
-from .lora import (AdapterPublisher, AdapterSaveError, MaskedScorer, load_version, probe_served_adapter,
-                   probe_trajectory, save_adapter_atomic)
+from .lora import (AdapterMismatchError, AdapterPublisher, AdapterSaveError, MaskedScorer, load_version,
+                   probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic)
 from .metrics import HitRateTracker, cache_counters, hit_rate
 from .models import base_model_id, resolve_model
 from .retention import prune_adapters
 from .rollout import collect_groups, require_rewards
-from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, resolve_release,
-                         check_resumable, config_record)
-from .server import ServerConfig, exit_status, start_server
+from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, check_resumable,
+                         config_record, resolve_release)
 from .samples import constant_groups, read_samples, write_rollouts
+from .server import ServerConfig, ServerStartError, exit_status, start_server
 from .server_env import server_args
 from .tasks import resolve_task
 from .tiny_model import default_model_dir, is_tiny_build
 from .trackers import Trackers
 from .trainer import CheckpointError, Trainer, TrainerConfig
+from .watchdog import HealthWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class GRPORun:
         self.history: History | None = None
         self.restarts = 0
         self.release = False  # resolved cfg.release_memory; may be toggled between steps
+        self._unwritten_row: dict | None = None  # a completed step whose history write failed
+        self.watchdog = HealthWatchdog(lambda: self.server, lambda: self.client, cfg.hang_timeout_s)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "GRPORun":
@@ -90,6 +93,7 @@ class GRPORun:
         self.history = History.load(self.run_dir) if cfg.resume else History(self.run_dir)
         self.publisher = AdapterPublisher(self.client, self.run_dir)
         adapters = self.run_dir / "adapters"
+        remove_stale_tmp(adapters)
         # policy-step-0 is the untrained LoRA (B = 0, so it serves the base model's outputs).
         self._initial = self._restore_latest(adapters) if cfg.resume else save_adapter_atomic(self._save_fn, adapters, 0)
         self._published = False  # the first await (step/run) loads it into the server
@@ -126,9 +130,22 @@ class GRPORun:
 
     # ---- one GRPO step -----------------------------------------------------------------------
     async def step(self) -> dict:
-        """Rollouts → rewards → loss → update → save + hot-reload → one history row."""
+        """Rollouts → rewards → loss → update → save + hot-reload → one history row.
+
+        While it runs, the watchdog turns a server that stops answering for hang_timeout_s into
+        a restart (its process group is killed, the step's server work redone)."""
         if self.trainer is None:
             raise RuntimeError("call start() before step()")
+        if self._unwritten_row is not None:  # the last step completed but its row was not written
+            row, self._unwritten_row = self._unwritten_row, None
+            self._write_row(row)
+        self.watchdog.start()
+        try:
+            return await self._step()
+        finally:
+            await self.watchdog.stop()
+
+    async def _step(self) -> dict:
         if not self._published:
             if self.release:  # a server that cannot release fails here, before any rollout
                 await self.client.check_memory_saver(self.cfg.release_tags)
@@ -154,13 +171,23 @@ class GRPORun:
             row.update(history_fields(await self.evaluate(n=self.cfg.eval_n)))
         if isinstance(self.server, Fleet):  # per-worker hit rate and load of this step's rollouts
             row.update(self.server.worker_stats())
-        self.history.append(row)
+        self._write_row(row)
         self.trackers.log(row)
         prune_adapters(self.run_dir / "adapters", self.cfg.keep_adapters, self.cfg.keep_every,
                        protect=(self.publisher.current.step, version.step))
+        return row
+
+    def _write_row(self, row: dict) -> None:
+        """Append the row; if that fails the step stays complete (adapter saved and served) and
+        the next step() writes this row before anything else, so history never has a gap."""
+        try:
+            self.history.append(row)
+        except BaseException:
+            self._unwritten_row = row
+            log.error("history row of step %d not written; the next step() writes it first", row["step"])
+            raise
         if self.cfg.verbose:
             print(self.history.format_row(row), flush=True)
-        return row
 
     async def run(self, n_steps: int, on_step=None) -> History:
         """`n_steps` more steps; `on_step(row)` after each (e.g. a LivePlot update)."""
@@ -266,7 +293,19 @@ class GRPORun:
         same step of a resumed run, samples exactly what the first attempt did."""
         return self.cfg.seed * 1_000_003 + step
 
+    async def _check_served(self) -> None:
+        """Roll out only under the adapter the trainer's weights are: the version this run published
+        last (a step without signal keeps it), held by the server (never the base model instead)."""
+        expected = self.adapter
+        held = await self.client.list_adapters()
+        if expected is None or expected not in held:
+            raise AdapterMismatchError(
+                f"the trainer is at step {self.trainer.step} and expects rollouts from {expected}, but the "
+                f"server holds {sorted(held)}; no rollout was run. "
+                f"Continue with GRPORun(replace(cfg, resume=True)).start() (run_dir {self.run_dir}).")
+
     async def _rollouts(self, step: int):
+        await self._check_served()
         before = cache_counters(await self.client.metrics_text(), self.tracker.engine)
         groups = await self._collect(self._seeds(step), self.cfg.schedule, self._sampling_seed_base(step))
         await self._raise_if_server_lost(groups)
@@ -291,6 +330,10 @@ class GRPORun:
         the memory is taken back before the error goes up. Returns (metrics, train_s,
         (release_s, resume_s)), the pair (None, None) when off.
         """
+        with self.watchdog.paused():  # no /health probes while the memory is released
+            return await self._train_released(groups)
+
+    async def _train_released(self, groups) -> tuple[dict, float, tuple]:
         release = lambda: self.client.release_memory(self.cfg.release_tags)  # noqa: E731
         resume = lambda: self.client.resume_memory()  # noqa: E731  (self.client after a restart)
         release_s = await self._with_restarts(release) if self.release else None
@@ -325,6 +368,17 @@ class GRPORun:
                 await self._restart_or_raise(e)
 
     async def _restart_or_raise(self, err: Exception) -> None:
+        """Restart and republish; a server that dies again meanwhile takes the next restart."""
+        while True:
+            self._raise_if_exhausted(err)
+            try:
+                with self.watchdog.paused():
+                    await self._restart(err)
+                return
+            except (ServerUnavailableError, ServerStartError) as e:
+                err = e
+
+    def _raise_if_exhausted(self, err: Exception) -> None:
         if self.restarts >= self.cfg.max_restarts and not self._dropped_dead_workers():
             policy = ("automatic restarts are off (max_restarts=0)" if self.cfg.max_restarts == 0 else
                       f"all {self.cfg.max_restarts} restarts allowed by max_restarts are used")
@@ -334,6 +388,8 @@ class GRPORun:
                 "the cause in the log below, then continue with GRPORun(replace(cfg, resume=True)).start(), "
                 f"or allow more restarts with max_restarts. Last 20 lines of {self.server.log_path}:\n"
                 f"{self.server.log_tail(20)}") from err
+
+    async def _restart(self, err: Exception) -> None:
         self.restarts += 1
         log.warning("server lost (%s); restart %d/%d", err, self.restarts, self.cfg.max_restarts)
         await self.client.aclose()
@@ -368,8 +424,12 @@ class GRPORun:
             mask = probe.completion_mask[1:]
             sel = lambda xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
             tol = 0.02 if self.trainer.device.type == "cpu" else 0.25
-            result = await probe_served_adapter(MaskedScorer(self.client, mask, self.cfg.temperature), version, probe.token_ids,
-                                                sel(trainer_lp), sel(prev_lp) if prev_lp else None, tol)
+            # A server lost while scoring is restarted (the republish reloads `version`) and
+            # scored again: the step is complete only with its row, so it must not stop here.
+            verify = lambda: probe_served_adapter(  # noqa: E731  (self.client after a restart)
+                MaskedScorer(self.client, mask, self.cfg.temperature), version, probe.token_ids,
+                sel(trainer_lp), sel(prev_lp) if prev_lp else None, tol)
+            result = await self._with_restarts(verify)
         return version, reload_s, result
 
     async def _publish(self, version) -> None:

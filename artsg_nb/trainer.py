@@ -191,14 +191,17 @@ class Trainer:
         if missing:
             raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); "
                                   "resume from an earlier step or start a new run directory")
-        state = json.loads((path / "trainer_state.json").read_text())
+        # Every file is read (and refused if corrupt) before anything is applied: a trainer
+        # half-restored from a corrupt checkpoint would silently train on from mixed states.
+        state = _read_checkpoint_file(path / "trainer_state.json", lambda f: json.loads(f.read_text()))
+        weights = _read_checkpoint_file(path / "adapter_model.safetensors", lambda f: load_file(str(f)))
+        tensors = _read_checkpoint_file(path / "optimizer.safetensors", lambda f: load_file(str(f)))
         saved = state.get("trainer_config", {})
         for key in ("lora_rank", "lora_alpha", "target_modules"):
             if key in saved and _jsonable(getattr(self.cfg, key)) != saved[key]:
                 raise CheckpointError(f"checkpoint {path} was trained with {key}={saved[key]!r} but this run "
                                       f"has {getattr(self.cfg, key)!r}; use the same LoRA settings or a new run dir")
-        set_peft_model_state_dict(self.model, load_file(str(path / "adapter_model.safetensors")))
-        tensors = load_file(str(path / "optimizer.safetensors"))
+        set_peft_model_state_dict(self.model, weights)
         _optimizer_from_tensors(self.optimizer, tensors, state["optimizer"])
         torch.set_rng_state(tensors["rng.torch"])
         random.setstate(_tuplify(state["python_random"]))
@@ -206,7 +209,21 @@ class Trainer:
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or from a different configuration."""
+    """A checkpoint is missing, incomplete, corrupt or from a different configuration."""
+
+
+def _read_checkpoint_file(file: Path, read):
+    """`read(file)`, a corrupt file (truncated, garbage: safetensors' "header too large",
+    UnicodeDecodeError, bad JSON) turned into a CheckpointError naming it and what to do."""
+    try:
+        return read(file)
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001 — safetensors raises its own SafetensorError
+        raise CheckpointError(
+            f"checkpoint file {file} is corrupt and cannot be read ({type(e).__name__}: {e}). Nothing was "
+            f"restored. Try: move {file.parent} out of the run directory and resume again (resume=True "
+            "continues from the newest complete checkpoint before it), or start a new run directory.") from e
 
 
 # ---- model loading ---------------------------------------------------------------------------

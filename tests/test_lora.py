@@ -68,3 +68,19 @@ def test_publish_loads_new_then_unloads_old(tmp_path):
     assert pub.current.name == "policy-step-2"
     asyncio.run(pub.republish())  # after a server restart only the newest comes back
     assert client.calls[-1] == ("load", "policy-step-2")
+
+
+def test_a_failed_republish_keeps_the_version(tmp_path):
+    """A server that dies during the republish: the version stays current, so the next restart
+    loads it again (forgetting it made the next rollouts sample from the base model)."""
+    client = _RecordingClient()
+    pub = AdapterPublisher(client, tmp_path)
+    asyncio.run(pub.publish(save_adapter_atomic(_fake_save, tmp_path / "adapters", 1)))
+
+    async def dead(name, path):
+        raise ConnectionError("the server died again")
+
+    client.load_adapter = dead
+    with pytest.raises(ConnectionError):
+        asyncio.run(pub.republish())
+    assert pub.current is not None and pub.current.name == "policy-step-1"

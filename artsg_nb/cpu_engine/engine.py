@@ -136,6 +136,7 @@ class Engine:
 
     def _load_blocking(self, adapter: Adapter) -> None:
         check_adapter_dir(adapter.path, self.args.max_lora_rank, self.args.lora_target_modules)
+        self.runner.check_adapter_shapes(adapter.path)
         self.scheduler.call(lambda: self.runner.load_adapter(adapter.path, adapter.adapter_id)).result()
         self.adapters[adapter.name] = adapter
         self.metrics.set_lora_slots(len(self.adapters), self.args.max_loras_per_batch)
@@ -173,6 +174,7 @@ class Engine:
                 raise AdapterError(f"Failed to load LoRA adapter {name} because it is already loaded")
             adapter = Adapter(name=name, path=path, adapter_id=uuid.uuid4().hex, pinned=pinned)
             await asyncio.to_thread(check_adapter_dir, path, self.args.max_lora_rank, self.args.lora_target_modules)
+            await asyncio.to_thread(self.runner.check_adapter_shapes, path)
             future = self.scheduler.call(lambda: self.runner.load_adapter(path, adapter.adapter_id))
             try:
                 await asyncio.wrap_future(future)

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 ALL_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHTS_FILE = "adapter_model.safetensors"
 _LORA_A = re.compile(r"\.lora_(?:embedding_)?A(?:\.|$)")
+_LORA_B = re.compile(r"\.lora_B(?:\.|$)")
 
 
 ATTN_IMPLEMENTATION = "artsg_cpu_sdpa"
@@ -88,7 +89,13 @@ def check_adapter_dir(path: str, max_rank: int, allowed_modules: tuple[str, ...]
         raise AdapterError(
             f"{path} has no {WEIGHTS_FILE}" + (" (only a pickle adapter_model.bin)" if has_pickle else "")
             + "; the CPU engine loads safetensors only: save with save_pretrained(safe_serialization=True)")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{config_file} is not valid JSON ({e}); save the adapter again with "
+                           "PEFT's save_pretrained") from e
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{path} is a {config.get('peft_type')} adapter; only LoRA is supported")
     if config.get("use_dora"):
@@ -111,6 +118,16 @@ def check_adapter_dir(path: str, max_rank: int, allowed_modules: tuple[str, ...]
 
 def _lora_shapes(weights: Path) -> tuple[int, set[str]]:
     """(largest rank, short names of the targeted modules) read from the safetensors header."""
+    try:
+        return _read_lora_shapes(weights)
+    except AdapterError:
+        raise
+    except Exception as e:  # SafetensorError: a truncated or garbage file
+        raise AdapterError(f"{weights} is not a readable safetensors file ({type(e).__name__}: {e}); "
+                           "save the adapter again (save_pretrained(safe_serialization=True))") from e
+
+
+def _read_lora_shapes(weights: Path) -> tuple[int, set[str]]:
     rank, modules = 0, set()
     with safe_open(str(weights), framework="pt") as f:
         for key in f.keys():
@@ -132,6 +149,10 @@ class ModelRunner:
         self.model_path = model_path
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._tokenizer_lock = threading.Lock()  # the HTTP threads and the scheduler both decode
+        # Prompts are encoded by a tokenizer of their own: a long prompt tokenised in an HTTP
+        # thread then never holds up the decoding that the scheduler and the responses do.
+        self._encoder = AutoTokenizer.from_pretrained(model_path)
+        self._encoder_lock = threading.Lock()
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                           attn_implementation=ATTN_IMPLEMENTATION).eval()
         self.config = self.model.config
@@ -141,8 +162,8 @@ class ModelRunner:
 
     # ---- tokenizer -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        with self._tokenizer_lock:
-            return self.tokenizer.encode(text)
+        with self._encoder_lock:
+            return self._encoder.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
@@ -154,9 +175,9 @@ class ModelRunner:
             return [self.tokenizer.decode([i]) for i in ids]
 
     def render_chat(self, messages: list[dict]) -> list[int]:
-        with self._tokenizer_lock:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+        with self._encoder_lock:
+            text = self._encoder.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self._encoder.encode(text, add_special_tokens=False)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -165,6 +186,31 @@ class ModelRunner:
         return frozenset(i for i in ids if i is not None)
 
     # ---- adapters ------------------------------------------------------------------------
+    def check_adapter_shapes(self, path: str) -> None:
+        """AdapterError naming the first LoRA tensor whose shape does not fit the module it
+        adapts (lora_A: (r, in_features), lora_B: (out_features, r)) or whose module this model
+        lacks: such an adapter would load, then fail every request that uses it."""
+        weights = Path(path) / WEIGHTS_FILE
+        with safe_open(str(weights), framework="pt") as f:
+            for key in f.keys():
+                found = _LORA_A.search(key) or _LORA_B.search(key)
+                if not found or "lora_embedding" in key:  # embeddings: checked by PEFT's own load
+                    continue
+                module_name = key[:found.start()].removeprefix("base_model.model.")
+                try:
+                    module = self.model.get_submodule(module_name)
+                except AttributeError:
+                    raise AdapterError(f"{weights}: tensor {key} adapts {module_name}, which this model "
+                                       f"({self.model_path}) does not have; train the adapter on this base model") from None
+                out_f, in_f = module.weight.shape[:2]
+                shape = tuple(f.get_slice(key).get_shape())
+                ok = shape[1] == in_f if "lora_A" in key else shape[0] == out_f
+                if len(shape) != 2 or not ok:
+                    want = f"(r, {in_f})" if "lora_A" in key else f"({out_f}, r)"
+                    raise AdapterError(f"{weights}: tensor {key} has shape {list(shape)}, but {module_name} of "
+                                       f"{self.model_path} needs {want}; the adapter was trained on another "
+                                       "base model (or another size): train it on this one")
+
     def load_adapter(self, path: str, adapter_id: str) -> None:
         """Load a checked adapter directory under `adapter_id` (its load id)."""
         if self.peft is None:

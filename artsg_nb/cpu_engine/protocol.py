@@ -37,7 +37,7 @@ def generate_requests(body: dict, runner: ModelRunner, resolve: AdapterResolver)
     prompts, is_batch = _prompts(body, runner)
     sampling = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
     adapters = _per_prompt(body.get("lora_path"), len(prompts), "lora_path")
-    params = [parse_sampling_params(s) for s in sampling]
+    params = [check_token_ids(parse_sampling_params(s), runner) for s in sampling]
     ids = [resolve(a) for a in adapters]
     top = int(body.get("top_logprobs_num") or 0)
     if top < 0:
@@ -83,6 +83,15 @@ def _per_prompt(value, n: int, name: str) -> list:
             raise BadRequest(f"{name} is a list of {len(value)} items for {n} prompts")
         return value
     return [value] * n
+
+
+def check_token_ids(params: RequestSampling, runner: ModelRunner) -> RequestSampling:
+    """stop_token_ids inside the vocabulary; one outside would fail the whole decode batch."""
+    vocab = runner.config.vocab_size
+    bad = sorted(t for t in params.stop_token_ids if not 0 <= t < vocab)
+    if bad:
+        raise BadRequest(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    return params
 
 
 def check_length(prompt: list[int], params: RequestSampling, runner: ModelRunner) -> None:
@@ -204,7 +213,7 @@ def chat_requests(body: dict, runner: ModelRunner, resolve: AdapterResolver,
         "min_new_tokens": body.get("min_tokens"), "skip_special_tokens": body.get("skip_special_tokens"),
         "no_stop_trim": body.get("no_stop_trim"),
     }
-    params = parse_sampling_params({k: v for k, v in raw.items() if v is not None})
+    params = check_token_ids(parse_sampling_params({k: v for k, v in raw.items() if v is not None}), runner)
     check_length(prompt, params, runner)
     _, adapter = parse_model_parameter(str(body.get("model") or served_model_name), served_model_name)
     adapter_id = resolve(adapter if adapter is not None else body.get("lora_path"))

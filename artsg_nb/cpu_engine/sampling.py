@@ -14,11 +14,13 @@ their neutral value; anything else is refused with a message naming the key.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 SAMPLING_EPS = 1e-6  # SGLang: temperature below this is greedy
+MAX_SEED = 2**63 - 1  # a torch.Generator seed; sample j of n uses sampling_seed + j
 
 SUPPORTED_KEYS = {
     "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
@@ -94,7 +96,7 @@ def parse_sampling_params(raw: dict | None) -> RequestSampling:
             no_stop_trim=bool(raw.get("no_stop_trim", False)),
             sampling_seed=None if raw.get("sampling_seed") is None else int(raw["sampling_seed"]),
         )
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: int(Infinity)
         raise RequestSamplingError(f"invalid sampling_params: {e}") from e
     _check_ranges(params)
     return params
@@ -107,6 +109,12 @@ def _get(raw: dict, key: str, default):
 
 def _check_ranges(p: RequestSampling) -> None:
     problems = []
+    for name in ("temperature", "top_p", "min_p"):  # NaN passes every comparison below
+        if not math.isfinite(getattr(p, name)):
+            problems.append(f"{name} must be a finite number, got {getattr(p, name)}")
+    if p.sampling_seed is not None and not -MAX_SEED <= p.sampling_seed <= MAX_SEED - max(p.n - 1, 0):
+        problems.append(f"sampling_seed must be in [{-MAX_SEED}, {MAX_SEED - max(p.n - 1, 0)}] (seed + n - 1 "
+                        f"seeds the last sample), got {p.sampling_seed}")
     if p.max_new_tokens < 0:
         problems.append(f"max_new_tokens must be >= 0, got {p.max_new_tokens}")
     if p.temperature < 0:

@@ -292,11 +292,17 @@ class Scheduler:
                 self._finish(req, kvs[req], req.finish_reason)
 
     def _sample_and_append(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample_tokens(logits, [r.params for r in reqs],
-                                         [r.generator or self.generator for r in reqs],
-                                         [self._banned(r) for r in reqs])
+        try:
+            tokens, logprobs = sample_tokens(logits, [r.params for r in reqs],
+                                             [r.generator or self.generator for r in reqs],
+                                             [self._banned(r) for r in reqs])
+        except Exception:  # one request's sampling failed: sample each alone, fail only that one
+            log.exception("batched sampling failed; sampling the %d requests one by one", len(reqs))
+            tokens, logprobs = self._sample_alone(reqs, logits)
         now = time.time()
         for i, (req, token) in enumerate(zip(reqs, tokens)):
+            if token is None:
+                continue  # failed in _sample_alone: finished as an abort with its error
             req.output_ids.append(token)
             if req.return_logprob:
                 req.output_logprobs.append(float(logprobs[i, token]))
@@ -307,6 +313,20 @@ class Scheduler:
             req.finish_reason = self._finish_reason(req, token)
             if req.stream and req.finish_reason is None:
                 req.notify(False)
+
+    def _sample_alone(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list, torch.Tensor]:
+        tokens, rows = [], []
+        for i, req in enumerate(reqs):
+            try:
+                (token,), row = sample_tokens(logits[i:i + 1], [req.params], [req.generator or self.generator],
+                                              [self._banned(req)])
+            except Exception as e:
+                req.error = f"{type(e).__name__}: {e}"
+                req.finish_reason = {"type": "abort", "message": req.error}
+                token, row = None, torch.zeros_like(logits[i:i + 1])
+            tokens.append(token)
+            rows.append(row)
+        return tokens, torch.cat(rows)
 
     def _banned(self, req: Request) -> frozenset[int]:
         p = req.params

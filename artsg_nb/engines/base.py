@@ -65,6 +65,12 @@ def saver_problem(info: dict, tags: tuple[str, ...], engine: str = "sglang",
 
 
 POOL_CONNECTIONS = 64  # connections per httpx pool (see EngineClient.__init__)
+KEEPALIVE_EXPIRY_S = 2.0
+"""Idle connections are dropped by the client after this long, well before the server drops them
+(uvicorn's timeout_keep_alive is 5 s): at equal expiries a request may go out on a connection the
+server is closing at that moment (2.3 % of requests in a probe failed so)."""
+# What a connection the server closed under a request raises before any byte of the answer came.
+_DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 # Called (or set) once, when the first output token of a streamed request arrives.
 FirstTokenHook = Callable[[], Any] | asyncio.Event
@@ -153,7 +159,8 @@ class EngineClient(abc.ABC):
         # spread over pools of at most POOL_CONNECTIONS (about half the client CPU at 400 in flight).
         self._pool_count = max(1, math.ceil(max_connections / POOL_CONNECTIONS))
         per_pool = math.ceil(max_connections / self._pool_count)
-        self._limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
+        self._limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool,
+                                    keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self._transport = transport
         self._pools: list[httpx.AsyncClient] | None = None
         self._turn = itertools.count()
@@ -229,19 +236,37 @@ class EngineClient(abc.ABC):
         return self._pools[next(self._turn) % len(self._pools)]
 
     async def _request(self, method: str, path: str, op: str = "other", **kwargs) -> httpx.Response:
+        """One request; `resp.retried` says whether it went out twice (see below). An error
+        answer raises EngineError, its `.retried` set the same way."""
+        client = self._client()
         for attempt in range(2):
+            request = client.build_request(method, path, **kwargs)
             try:
-                resp = await self._client().request(method, path, **kwargs)
-                break
-            except httpx.RemoteProtocolError as e:
+                resp = await client.send(request, stream=True)
+            except _DROPPED as e:
                 # The server closed a kept-alive connection as the request went out (uvicorn drops
-                # idle ones): the request was not served, so it is retried once on a new connection.
+                # idle ones), before any byte of an answer: retried once on a new connection.
+                # Safe for every route used here: a /generate that was served anyway only cost
+                # compute, and a load that was served answers "already loaded" (load_adapter).
                 if attempt:
                     raise self._unavailable(method, path, e) from e
+                log.info("%s %s%s: connection dropped before an answer (%s); retrying once", method,
+                         self.base_url, path, type(e).__name__)
+                continue
             except httpx.HTTPError as e:
                 raise self._unavailable(method, path, e) from e
+            try:
+                await resp.aread()  # a drop in the middle of an answer is not retried
+            except httpx.HTTPError as e:
+                raise self._unavailable(method, path, e) from e
+            finally:
+                await resp.aclose()
+            break
+        resp.retried = bool(attempt)
         if resp.status_code >= 400:
-            raise self._error(method, path, resp.status_code, response_body(resp), op)
+            err = self._error(method, path, resp.status_code, response_body(resp), op)
+            err.retried = resp.retried
+            raise err
         return resp
 
     async def _sse(self, path: str, payload: dict, op: str) -> AsyncIterator[dict]:
@@ -261,7 +286,7 @@ class EngineClient(abc.ABC):
                         started = True
                         yield event
                 return
-            except httpx.RemoteProtocolError as e:  # as in _request, retried once if nothing came yet
+            except _DROPPED as e:  # as in _request, retried once if nothing came yet
                 if started or attempt:
                     raise self._unavailable("POST", path, e) from e
             except httpx.HTTPError as e:

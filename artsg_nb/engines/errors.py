@@ -19,6 +19,7 @@ class EngineError(RuntimeError):
     def __init__(self, message: str, status: int | None = None, body: Any = None):
         super().__init__(message)
         self.status, self.body = status, body
+        self.retried = False  # the request went out twice (a connection dropped under the first)
 
 
 class AdapterExistsError(EngineError):

@@ -44,7 +44,7 @@ from typing import Iterable
 
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, saver_problem)
-from .errors import EngineError, MemorySaverError
+from .errors import AdapterExistsError, EngineError, MemorySaverError
 from .spec import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,14 @@ class SGLangClient(EngineClient):
 
     async def load_adapter(self, name: str, path: str) -> float:
         t0 = time.perf_counter()
-        await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path}, "load")
+        try:
+            await self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path}, "load")
+        except AdapterExistsError as e:
+            # Sent twice (the connection dropped under the first, which the server did serve):
+            # the adapter is loaded once, from this path, as asked.
+            if not (e.retried and (await self.list_adapters()).get(name) == path):
+                raise
+            log.info("%s: %s was loaded by the first of two sends", self.engine, name)
         return time.perf_counter() - t0
 
     async def unload_adapter(self, name: str) -> None:
@@ -127,9 +134,12 @@ class SGLangClient(EngineClient):
         await self._lora_call("/unload_lora_adapter", {"lora_name": name}, "unload")
 
     async def _lora_call(self, path: str, payload: dict, op: str) -> dict:
-        body = (await self._request("POST", path, op, json=payload)).json()
+        resp = await self._request("POST", path, op, json=payload)
+        body = resp.json()
         if not body.get("success", False):  # a 200 carrying success: false is a failure too
-            raise self._error("POST", path, 200, body, op)
+            err = self._error("POST", path, 200, body, op)
+            err.retried = resp.retried
+            raise err
         return body
 
     async def flush_cache(self, timeout_s: float | None = None) -> None:

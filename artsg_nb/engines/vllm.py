@@ -29,7 +29,7 @@ from typing import Any
 
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, response_body, saver_problem)
-from .errors import EngineError, MemorySaverError
+from .errors import AdapterExistsError, EngineError, MemorySaverError
 from .spec import EngineSpec
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,11 @@ class VLLMClient(EngineClient):
     async def load_adapter(self, name: str, path: str) -> float:
         # Never load_inplace from one path: vLLM keys its prefix cache by (name, path) → stale KV.
         t0 = time.perf_counter()
-        await self._request("POST", "/v1/load_lora_adapter", "load", json={"lora_name": name, "lora_path": path})
+        try:
+            await self._request("POST", "/v1/load_lora_adapter", "load", json={"lora_name": name, "lora_path": path})
+        except AdapterExistsError as e:  # sent twice and served the first time (base.EngineClient._request)
+            if not (e.retried and (await self.list_adapters()).get(name) == path):
+                raise
         return time.perf_counter() - t0
 
     async def unload_adapter(self, name: str) -> None:

@@ -242,6 +242,13 @@ def resolve_model(spec: str | os.PathLike) -> str:
     return text
 
 
+def built_model_dir(spec: str | os.PathLike) -> str:
+    """A registered model's name → its offline build (built on first use); anything else (a
+    directory, a hub id) as given, for server.check_model_path and the engine to judge."""
+    text = os.fspath(spec)
+    return str(default_real_model_dir(text)) if text in REGISTRY else text
+
+
 def base_model_id(spec: str | os.PathLike) -> str:
     """The name an exported adapter gives as its base: a registered model's hub id, else `spec`
     as the user gave it (a hub id or a directory)."""

@@ -35,7 +35,7 @@ from .history import History
 from .lora import (AdapterMismatchError, AdapterPublisher, AdapterSaveError, MaskedScorer, load_version,
                    probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic)
 from .metrics import HitRateTracker, cache_counters, hit_rate
-from .models import base_model_id, resolve_model
+from .models import base_model_id, built_model_dir
 from .retention import prune_adapters
 from .rollout import collect_groups, require_rewards
 from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, check_resumable,
@@ -69,6 +69,7 @@ class GRPORun:
         self.restarts = 0
         self.release = False  # resolved cfg.release_memory; may be toggled between steps
         self._unwritten_row: dict | None = None  # a completed step whose history write failed
+        self._weights_version: str | None = None  # the adapter version holding the trainer's weights
         self.watchdog = HealthWatchdog(lambda: self.server, lambda: self.client, cfg.hang_timeout_s)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -84,7 +85,7 @@ class GRPORun:
             require_gpu()
         apply_to_kernel(self.plan)
         # A registered real model's name (models.py) → its offline build; a directory or hub id as is.
-        model_path = resolve_model(cfg.model_path) if cfg.model_path else str(default_model_dir())
+        model_path = built_model_dir(cfg.model_path) if cfg.model_path else str(default_model_dir())
         self.model_path = base_model_id(cfg.model_path) if cfg.model_path else model_path
         self.server = self._start_server(engine, model_path)
         self.client = self.server.client()
@@ -296,9 +297,9 @@ class GRPORun:
     async def _check_served(self) -> None:
         """Roll out only under the adapter the trainer's weights are: the version this run published
         last (a step without signal keeps it), held by the server (never the base model instead)."""
-        expected = self.adapter
+        expected = self._weights_version
         held = await self.client.list_adapters()
-        if expected is None or expected not in held:
+        if self.adapter != expected or expected not in held:
             raise AdapterMismatchError(
                 f"the trainer is at step {self.trainer.step} and expects rollouts from {expected}, but the "
                 f"server holds {sorted(held)}; no rollout was run. "
@@ -437,6 +438,7 @@ class GRPORun:
         while unloading the version before it): adapter names cannot be loaded twice."""
         if self.publisher.current is None or self.publisher.current.name != version.name:
             await self.publisher.publish(version)
+        self._weights_version = version.name  # what the trainer's weights are, served
 
     def _row(self, step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe, memory_s) -> dict:
         trajs = [t for g in groups for t in g.trajectories]

@@ -168,7 +168,7 @@ def engine_availability(plan) -> pd.DataFrame:
 def bench_engines(cfg, engines: Sequence[str]) -> pd.DataFrame:
     """bench.run_bench(cfg) once per engine; each CSV goes to `<cfg.run_dir>/bench-<engine>.csv`.
 
-    Server flags: cfg.extra_args, else $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS (envs.server_args)."""
+    Server flags: cfg.extra_args, else $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS (server.with_env_args)."""
     from .bench import COLUMNS, run_bench
 
     frames = [pd.DataFrame(columns=COLUMNS)]  # no engine: an empty table, not an error

@@ -100,7 +100,7 @@ class BenchConfig:
     """Server logs and the adapters saved for the reload figure."""
     extra_args: tuple[str, ...] = ()
     """Extra server command-line arguments (e.g. the GPU bundle's --attention-backend triton);
-    empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as GRPORun does (envs.server_args)."""
+    empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as every start_server does (server.with_env_args)."""
     out: str | None = None
     """CSV path; None: benchmarks/results/<date>-<engine>-<hardware>.csv."""
     flags: str = ""
@@ -307,8 +307,7 @@ def _finish(rows: list[dict]) -> pd.DataFrame:
 
 def run_bench(cfg: BenchConfig) -> pd.DataFrame:
     """Start the server per radix setting (or use cfg.server_url), run every schedule, save CSV."""
-    from .client import make_client
-    from .envs import server_args
+    from .engines import make_client
     from .server import ServerConfig, start_server
 
     bad = [s for s in cfg.schedules if s not in SCHEDULES]
@@ -322,8 +321,7 @@ def run_bench(cfg: BenchConfig) -> pd.DataFrame:
             rows += run_sync(_with_client(client, cfg, radix, model))
             continue
         server_cfg = ServerConfig(engine=cfg.engine, model_path=model, run_dir=cfg.run_dir,
-                                  disable_radix_cache=not radix,
-                                  extra_args=server_args(cfg.engine, cfg.extra_args))
+                                  disable_radix_cache=not radix, extra_args=cfg.extra_args)
         with start_server(server_cfg) as server:
             rows += run_sync(_with_client(server.client(), cfg, radix, model))
     df = _finish(rows)

@@ -77,8 +77,9 @@ class RunConfig:
     server_args: tuple[str, ...] = ()
     """Extra command-line flags for the server; empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS
     (e.g. the attention/sampling backends an offline GPU bundle needs)."""
-    api_key: str | None = None
-    """Sent to the server (SGLang --api-key) and by the client."""
+    api_key: str | None = "auto"
+    """The server's API key (server.ServerConfig.api_key): "auto" a random one per start, None
+    none (warned: any local user could drive the server)."""
     verbose: bool = True
     """Print one progress line per step."""
 

@@ -35,8 +35,8 @@ from .lora import AdapterPublisher, AdapterSaveError, adapter_name, load_version
 from .metrics import HitRateTracker, cache_counters, hit_rate
 from .rollout import collect_groups
 from .run_config import CONFIG_FILE, RunConfig, check_resumable, config_record
+from .procs import RunDirLock
 from .server import ServerConfig, start_server
-from .server_env import server_args
 from .tasks import get_task
 from .tiny_model import default_model_dir
 from .trainer import CheckpointError, Trainer, TrainerConfig
@@ -60,9 +60,21 @@ class GRPORun:
         self.history: History | None = None
         self.restarts = 0
         self.release = False  # resolved cfg.release_memory; may be toggled between steps
+        self._lock = RunDirLock(self.run_dir)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "GRPORun":
+        """Lock run_dir (one writer: procs.RunDirLock), start or adopt the server, build the
+        trainer, load history and the latest adapter. A failure stops the server it started and
+        releases the lock before the error goes up."""
+        self._lock.acquire()
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "GRPORun":
         cfg = self.cfg
         self.task = get_task(cfg.task)
         self._save_config()
@@ -97,9 +109,13 @@ class GRPORun:
         tmp.replace(path)
 
     def stop(self) -> None:
-        """Stop the server (by process group). Saved adapters and history stay in run_dir."""
-        if self.server is not None:
-            self.server.stop()
+        """Stop the server (by process group) and release run_dir's lock. Saved adapters and
+        history stay in run_dir."""
+        try:
+            if self.server is not None:
+                self.server.stop()
+        finally:
+            self._lock.release()
 
     def __enter__(self):
         return self.start()
@@ -149,10 +165,9 @@ class GRPORun:
     def _start_server(self, engine: str, model_path: str):
         cfg = self.cfg
         mem = getattr(self.plan, "server_mem_fraction", None)
-        extra = server_args(engine, cfg.server_args)
         scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
-                            api_key=cfg.api_key, extra_args=extra, enable_memory_saver=self.release,
+                            api_key=cfg.api_key, extra_args=cfg.server_args, enable_memory_saver=self.release,
                             enable_weights_cpu_backup=self.release and "weights" in cfg.release_tags)
         return start_server(scfg)
 

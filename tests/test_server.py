@@ -348,6 +348,28 @@ def test_cpu_engine_command():
     assert cfg.timeout_s == 120 and ServerConfig("sglang", "/m", "r").timeout_s == 600
 
 
+def test_start_server_applies_the_engine_args_variable(monkeypatch):
+    """$ARTSG_SGLANG_ARGS reaches every start_server caller (GRPORun, bench, tools), not only
+    GRPORun; explicit extra_args win."""
+    monkeypatch.setenv("ARTSG_SGLANG_ARGS", "--attention-backend triton")
+    srv = server.Server(ServerConfig("sglang", "M", "r", port=1))
+    assert srv.config.extra_args == ("--attention-backend", "triton")
+    assert build_command(srv.config, "py")[-2:] == ["--attention-backend", "triton"]
+    assert server.Server(ServerConfig("sglang", "M", "r", extra_args=("--x",))).config.extra_args == ("--x",)
+
+
+def test_api_key_defaults_to_a_random_key_per_start(caplog):
+    cfg = ServerConfig("cpu", "M", "r")
+    assert cfg.api_key == "auto"
+    a, b = server.resolve_api_key(cfg), server.resolve_api_key(cfg)
+    assert a != b and len(a) >= 40
+    with caplog.at_level("WARNING"):
+        assert server.resolve_api_key(ServerConfig("cpu", "M", "r", api_key=None)) is None
+    assert "api_key=None" in caplog.text
+    with pytest.raises(ValueError, match="api_key"):
+        ServerConfig("cpu", "M", "r", api_key="two words")
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="engine="):
         ServerConfig("tgi", "M", "r")

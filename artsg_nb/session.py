@@ -67,6 +67,7 @@ class GRPORun:
         """Lock run_dir (one writer: procs.RunDirLock), start or adopt the server, build the
         trainer, load history and the latest adapter. A failure stops the server it started and
         releases the lock before the error goes up."""
+        self.task = get_task(self.cfg.task)  # a typo fails before run_dir (and its lock) exists
         self._lock.acquire()
         try:
             return self._start()
@@ -76,7 +77,6 @@ class GRPORun:
 
     def _start(self) -> "GRPORun":
         cfg = self.cfg
-        self.task = get_task(cfg.task)
         self._save_config()
         self.plan = plan_gpus(list_gpus())
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")

@@ -133,8 +133,8 @@ WRITER_KERNEL = r'''
 import sys, time
 from artsg_nb.procs import RunDirBusyError
 from artsg_nb.session import GRPORun, RunConfig
-go = float(sys.argv[3])
-time.sleep(max(0.0, go - time.time()))  # both kernels start the run at the same moment
+print("ready", flush=True)
+sys.stdin.readline()  # the test releases both kernels at the same moment
 try:
     run = GRPORun(RunConfig(engine="cpu", model_path=sys.argv[1], run_dir=sys.argv[2], verbose=False)).start()
 except RunDirBusyError as e:
@@ -145,12 +145,18 @@ time.sleep(600)
 '''
 
 
+@pytest.mark.slow  # two kernels import torch; the winner starts a server and builds its trainer
 def test_two_writers_on_one_run_dir(tmp_path, model_dir, private_server_records):
     run_dir = tmp_path / "run"
-    go = time.time() + 8  # after both interpreters have imported torch
-    kernels = [subprocess.Popen([sys.executable, "-c", WRITER_KERNEL, str(model_dir), str(run_dir), str(go)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    kernels = [subprocess.Popen([sys.executable, "-c", WRITER_KERNEL, str(model_dir), str(run_dir)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+               for _ in range(2)]
     try:
+        assert [k.stdout.readline().strip() for k in kernels] == ["ready", "ready"]
+        for k in kernels:
+            k.stdin.write("go\n")
+        for k in kernels:
+            k.stdin.flush()
         lines = {k.pid: k.stdout.readline().strip() for k in kernels}
         started = [pid for pid, line in lines.items() if line.startswith("started")]
         busy = [line for line in lines.values() if line.startswith("busy")]
@@ -163,7 +169,7 @@ def test_two_writers_on_one_run_dir(tmp_path, model_dir, private_server_records)
             k.kill()
             k.wait()
             k.stdout.close()
-            k.stderr.close()
+            k.stdin.close()
     RunDirLock(run_dir).acquire().release()  # the OS dropped the dead kernel's lock
     procs.reap_orphans()  # the winner's server, orphaned by the kill
     assert not list(private_server_records.glob("*.json"))

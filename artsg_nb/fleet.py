@@ -37,7 +37,7 @@ from . import engines
 from .engines import AdapterExistsError
 from .metrics import CacheCounters, cache_counters, hit_rate
 from .router import Router, start_router
-from .server import Server, ServerConfig, ServerError, start_server
+from .server import Server, ServerConfig, ServerError, resolve_api_key
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,11 @@ class FleetClient:
     async def unload_adapter(self, name: str) -> None:
         await self._all(lambda c: c.unload_adapter(name))
 
+    async def list_adapters(self) -> dict[str, str]:
+        """The adapters every worker holds (the router's /v1/models is its own, not the workers')."""
+        held = await self._all(lambda c: c.list_adapters())
+        return {name: path for name, path in held[0].items() if all(name in h for h in held[1:])}
+
     async def flush_cache(self, timeout_s: float | None = None) -> None:
         await self._all(lambda c: c.flush_cache(timeout_s=timeout_s))
 
@@ -287,7 +292,10 @@ TP_FLAGS = {"sglang": "--tp-size", "vllm": "--tensor-parallel-size"}
 def fleet_configs(base: ServerConfig, plan) -> list[ServerConfig]:
     """One config per server of a gpus.GpuPlan: `base` with its own run_dir (`servers/<i>` under
     base's: logs and pid records are per run_dir and engine), its GPUs and memory fraction, and
-    the tensor-parallel flag when the plan gives a server several GPUs."""
+    the tensor-parallel flag when the plan gives a server several GPUs. All share one API key (an
+    "auto" key is drawn once here): the router forwards the client's key to whichever worker it
+    picks, and a worker is adopted by it."""
+    base = replace(base, api_key=resolve_api_key(base))
     configs = []
     for i in range(plan.num_servers):
         extra = base.extra_args

@@ -5,7 +5,11 @@ server and every worker it forks) with stdout+stderr going to a log file; `stop_
 SIGTERM to the group, waits, then SIGKILL; `ProcessRecord` is the JSON record of a running
 server, written both to `<run_dir>/<engine>.server.json` and to a global directory
 (`$ARTSG_STATE_DIR`, default `~/.cache/artsg_nb/servers`); `reap_orphans` stops servers whose
-owning kernel died. Ports: `port_is_free`, `pick_free_port`, `wait_port_free`, `port_owner`.
+owning kernel died (but for those a caller is about to adopt). Records hold the server's API key
+(adopting a server needs it), so they are written 0600 whatever the umask, atomically; the log
+too is created 0600 (SGLang prints its arguments, key included). `RunDirLock` is the one-writer
+lock of a run directory (flock on `<run_dir>/.lock`, released by the OS when its process dies).
+Ports: `port_is_free`, `pick_free_port`, `wait_port_free`, `port_owner`.
 
 A process is identified by (pid, create time), never by pid alone — pids are recycled — and
 never by name: nothing here can kill a process it did not start.
@@ -14,6 +18,7 @@ What it does not: build command lines, wait for readiness or know about engines 
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -79,7 +84,9 @@ def spawn(cmd: Sequence[str], env: Mapping[str, str], log_path: Path, header: st
           cwd: str | None = None) -> subprocess.Popen:
     """Start `cmd` in a new session (its own process group), output appended to `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(fd, 0o600)  # whatever the umask, and for a log an older version left 0644
+    with open(fd, "ab") as out:
         if header:
             out.write(header.encode())
             out.flush()
@@ -153,9 +160,11 @@ class ProcessRecord:
     started_at: str
     """Wall-clock start time, ISO 8601."""
     command: list[str] = field(default_factory=list)
-    """Command line with secrets (--api-key) masked."""
+    """Command line (it holds no key: the key goes by environment)."""
     hostname: str = field(default_factory=socket.gethostname)
     """Records from another machine (a shared home directory) are left alone."""
+    api_key: str | None = field(default=None, repr=False)
+    """The server's API key: a later kernel needs it to adopt the server. Why records are 0600."""
 
     @classmethod
     def of_child(cls, pid: int, **fields) -> "ProcessRecord":
@@ -179,10 +188,7 @@ class ProcessRecord:
 
     def save(self) -> None:
         for path in (self.run_path, self.global_path):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(asdict(self), indent=1))
-            os.replace(tmp, path)
+            write_private(path, json.dumps(asdict(self), indent=1))
 
     def remove(self) -> None:
         for path in (self.run_path, self.global_path):
@@ -200,6 +206,14 @@ class ProcessRecord:
             log.warning("ignoring unreadable server record %s: %s", path, e)
             return None
 
+    def found_in(self, path: Path) -> bool:
+        """Was this record written for the directory it was found in? A copied run dir carries
+        the original's record: it must not stop (or adopt) the original's server."""
+        if Path(path).resolve().parent == Path(self.run_dir).resolve():
+            return True
+        log.warning("ignoring %s: it records a server of %s (a copied run dir?)", path, self.run_dir)
+        return False
+
     def owner_alive(self) -> bool:
         return is_running(self.owner_pid, self.owner_create_time)
 
@@ -207,8 +221,27 @@ class ProcessRecord:
         return is_running(self.pid, self.create_time)
 
 
-def reap_orphans() -> list[ProcessRecord]:
-    """Stop servers whose kernel died; returns their records. Live kernels' servers are kept.
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically (a temporary file renamed over it) with mode 0600 from
+    the first byte, whatever the umask; the directory is created 0700 when missing."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is masked by the umask; an old tmp keeps its mode
+        with open(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def reap_orphans(keep: tuple[int, float] | None = None) -> list[ProcessRecord]:
+    """Stop servers whose kernel died; returns their records. Live kernels' servers are kept, and
+    so is `keep` = (pid, create time), a server the caller adopts.
 
     A server is stopped only when its pid still belongs to the process that was recorded
     (same create time); a record whose pid now belongs to another process is just deleted.
@@ -220,7 +253,7 @@ def reap_orphans() -> list[ProcessRecord]:
         if rec is None:
             path.unlink(missing_ok=True)
             continue
-        if rec.hostname != here or rec.owner_alive():
+        if rec.hostname != here or rec.owner_alive() or (rec.pid, rec.create_time) == keep:
             continue
         started = create_time(rec.pid)  # None: gone; else ours only if the create time matches
         ours_or_gone = started is None or abs(started - rec.create_time) < 0.01
@@ -233,6 +266,56 @@ def reap_orphans() -> list[ProcessRecord]:
         rec.remove()
         path.unlink(missing_ok=True)
     return reaped
+
+
+class RunDirBusyError(RuntimeError):
+    """Another live process (or another run object of this one) writes to the run directory."""
+
+
+class RunDirLock:
+    """One writer per run directory: an exclusive flock on `<run_dir>/.lock` holding the
+    owner's pid. The OS drops it when the process dies, so a crash leaves no stale lock; a
+    server spawned meanwhile does not inherit it (close-on-exec)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir).resolve() / ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = ""
+            for _ in range(20):  # the holder writes its pid just after taking the lock
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+                if holder:
+                    break
+                time.sleep(0.05)
+            holder = holder or "unknown"
+            os.close(fd)
+            mine = holder == str(os.getpid())
+            raise RunDirBusyError(
+                f"{self.path.parent} is in use by {'this kernel' if mine else 'another process'} "
+                f"(pid {holder}): two runs writing one run dir would interleave their history and "
+                "checkpoints. Try: " + ("stop() the earlier GRPORun of this run dir first" if mine else
+                                        f"stop that run (or its kernel, pid {holder}), or use another run_dir")
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Unlock; safe to call again."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the last descriptor drops the flock
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -55,22 +55,33 @@ hit rate 0.77; at 0.9 both engines worked, hit rates 0.75 and 0.80). A group's l
 fully (1.0), so they still follow the first one."""
 
 
+API_KEY_ENV = "ARTSG_ROUTER_API_KEY"
+"""The router's key travels in its environment, never its argv (/proc/<pid>/cmdline is world-readable)."""
+# sglang_router parses sys.argv in-process (the Rust router is an extension module, not a child
+# process), so the key is appended to sys.argv inside the process, where no other user sees it.
+LAUNCHER = f"""\
+import os, runpy, sys
+key = os.environ.pop({API_KEY_ENV!r}, "")
+if key:
+    sys.argv += ["--api-key", key]
+runpy.run_module("sglang_router.launch_router", run_name="__main__", alter_sys=True)
+"""
+
+
 def build_router_command(worker_urls: Sequence[str], port: int, metrics_port: int, policy: str = "cache_aware",
-                         api_key: str | None = None, python: str | None = None, host: str = "127.0.0.1",
-                         extra_args: Sequence[str] = (),
+                         python: str | None = None, host: str = "127.0.0.1", extra_args: Sequence[str] = (),
                          cache_threshold: float = DEFAULT_CACHE_THRESHOLD) -> list[str]:
-    """The router's command line (pure: unit-testable without launching anything)."""
+    """The router's command line, without its API key (pure: unit-testable without launching)."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}; use one of {', '.join(POLICIES)}")
     if not worker_urls:
         raise ValueError("the router needs at least one worker URL")
-    cmd = [python or sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+    cmd = [python or sys.executable, "-c", LAUNCHER, "--host", host, "--port", str(port),
            "--worker-urls", *worker_urls, "--policy", policy, "--cache-threshold", f"{cache_threshold:g}",
            # its Prometheus port defaults to 0.0.0.0:29000: one per user and machine at most
            "--prometheus-host", host, "--prometheus-port", str(metrics_port),
            # SIGTERM waits this long for in-flight requests (default 180 s, longer than stop's wait)
            "--shutdown-grace-period-secs", "5", "--log-level", "info"]
-    cmd += ["--api-key", api_key] if api_key else []
     return cmd + [str(a) for a in extra_args]
 
 
@@ -116,12 +127,13 @@ class Router:
         procs.reap_orphans()
         self.port = procs.pick_free_port(self.host)
         self.metrics_port = procs.pick_free_port(self.host)
-        cmd = build_router_command(self.workers, self.port, self.metrics_port, self.policy, self.api_key,
+        cmd = build_router_command(self.workers, self.port, self.metrics_port, self.policy,
                                    host=self.host, extra_args=self.extra_args, cache_threshold=self.cache_threshold)
-        shown = ["***" if self.api_key and a == self.api_key else a for a in cmd]
+        shown = ["<launcher>" if a == LAUNCHER else a for a in cmd]
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         header = f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: {' '.join(shown)}\n"
-        self.proc = procs.spawn(cmd, os.environ, self.log_path, header)
+        env = {**os.environ, **({API_KEY_ENV: self.api_key} if self.api_key else {})}
+        self.proc = procs.spawn(cmd, env, self.log_path, header)
         self.record = procs.ProcessRecord.of_child(
             self.proc.pid, port=self.port, host=self.host, engine=ENGINE_NAME, run_dir=str(self.log_path.parent),
             log_path=str(self.log_path), config_hash="", command=shown)

@@ -94,8 +94,9 @@ class RunConfig:
     server_args: tuple[str, ...] = ()
     """Extra command-line flags for the server; empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS
     (e.g. the attention/sampling backends an offline GPU bundle needs)."""
-    api_key: str | None = None
-    """Sent to the server (SGLang --api-key) and by the client."""
+    api_key: str | None = "auto"
+    """The server's API key (server.ServerConfig.api_key): "auto" a random one per start, None
+    none (warned: any local user could drive the server)."""
     num_servers: int = 1
     """Inference servers. Above 1 they run behind sglang-router (fleet.py): a group's samples
     stay on one server's prefix cache, every adapter version is loaded on all of them before it

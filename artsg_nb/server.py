@@ -5,8 +5,16 @@ interpreter (server_env.py) as a subprocess of the notebook kernel, in its own p
 to 127.0.0.1 on a free port, output to `<run_dir>/<engine>.log`; it polls GET /health (with a
 tqdm bar) while watching the process, and raises with the log tail when start-up fails. A
 re-run cell with the same config gets the same live server back; a changed config replaces it.
-Each server is recorded on disk (procs.py) so a later kernel can stop the orphans of a dead one;
-servers this process started are stopped at exit. `build_command` / `build_env` are pure, so
+Each server is recorded on disk (procs.py); after a kernel restart, starting the same config
+adopts the dead kernel's live server (its key read from the 0600 record, checked on an
+authenticated route) instead of a cold start, and other orphans of dead kernels are stopped.
+Servers this process started or adopted are stopped at exit.
+
+Security (README "Security"): every server requires a random API key by default
+(`api_key="auto"`, a fresh `secrets.token_urlsafe(32)` per start); `api_key=None` turns it off,
+with a warning. The key goes to the server by environment variable (EngineSpec.api_key_env),
+never on the command line, which every local user can read. Extra flags from
+$ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS are applied here (`with_env_args`), for every caller. `build_command` / `build_env` are pure, so
 the engines' command lines are unit-tested without launching anything.
 
 What it does not: talk the engines' APIs (engines/, via `Server.client()`), including the
@@ -20,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
@@ -34,7 +43,7 @@ from tqdm.auto import tqdm
 from . import engines, procs
 from .engines import ENGINES, EngineClient
 from .procs import reap_orphans  # noqa: F401  (public here too)
-from .server_env import ServerEnv, child_env, find_server_env
+from .server_env import ServerEnv, child_env, find_server_env, server_args
 
 if TYPE_CHECKING:
     from .gpus import GpuPlan
@@ -106,8 +115,10 @@ class ServerConfig:
     --gpu-memory-utilization); None takes gpu_plan.server_mem_fraction, else the engine default."""
     gpu_plan: "GpuPlan | None" = None
     """A gpus.GpuPlan: gives the server its CUDA_VISIBLE_DEVICES. None inherits the kernel's."""
-    api_key: str | None = None
-    """Bearer token the server requires (--api-key); the client sends it."""
+    api_key: str | None = "auto"
+    """Bearer token the server requires, sent by the client. "auto": a random one per start;
+    None: no authentication (a warning: any local user could drive the server, and SGLang's
+    adapter-from-tensors route unpickles what it is sent). Passed by environment, never argv."""
     enable_memory_saver: bool = False
     """Let the client release/resume the server's GPU memory around training (one shared GPU):
     SGLang --enable-memory-saver (needs torch_memory_saver in its environment), vLLM
@@ -141,6 +152,12 @@ class ServerConfig:
             raise ValueError(f"mem_fraction={self.mem_fraction} must be in (0, 1)")
         if self.port is not None and not 0 < self.port < 65536:
             raise ValueError(f"port={self.port} is not a TCP port")
+        if self.api_key is None:
+            log.warning("api_key=None: the %s server will answer any local user without a key "
+                        "(on a shared machine they can load adapters, read prompts, or worse); "
+                        "leave api_key='auto' unless something else guards the port", self.engine)
+        elif not self.api_key.strip() or any(c.isspace() for c in self.api_key):
+            raise ValueError("api_key must be 'auto', None, or a key without spaces")
         self.spec.validate(self)
 
     @property
@@ -161,15 +178,28 @@ class ServerConfig:
         return getattr(self.gpu_plan, "server_mem_fraction", None)
 
 
+def with_env_args(cfg: ServerConfig) -> ServerConfig:
+    """`cfg` with extra_args from $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS when it has none (an
+    offline GPU bundle's backends); the one place that decides, for GRPORun, bench and tools."""
+    extra = server_args(cfg.engine, cfg.extra_args)
+    return cfg if extra == cfg.extra_args else replace(cfg, extra_args=extra)
+
+
+def resolve_api_key(cfg: ServerConfig) -> str | None:
+    """The key a start uses: a fresh random one for "auto", else cfg.api_key."""
+    return secrets.token_urlsafe(32) if cfg.api_key == "auto" else cfg.api_key
+
+
 def build_command(cfg: ServerConfig, python: str | None = None, port: int | None = None) -> list[str]:
-    """The server's command line. `python`/`port` default to the config's (port must be set)."""
+    """The server's command line (never the API key). `python`/`port` default to the config's."""
     python = python or cfg.python or (sys.executable if cfg.spec.python_var is None else "python")
     port = port or cfg.port
     if port is None:
         raise ValueError("build_command needs a port: set cfg.port or pass port=")
     if cfg._command_override:
         return [a.format(python=python, host=cfg.host, port=port) for a in cfg._command_override]
-    return [python, "-m", cfg.spec.entry, *cfg.spec.launch_args(cfg, port), *cfg.extra_args]
+    run = ["-c", cfg.spec.launcher] if cfg.spec.launcher else ["-m", cfg.spec.entry]
+    return [python, *run, *cfg.spec.launch_args(cfg, port), *cfg.extra_args]
 
 
 def _ignored_options(cfg: ServerConfig) -> list[str]:
@@ -177,15 +207,19 @@ def _ignored_options(cfg: ServerConfig) -> list[str]:
     return [name for name in cfg.spec.ignored_options if getattr(cfg, name)]
 
 
-def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None,
+              api_key: str | None = None) -> dict[str, str]:
     """Variables set for the server on top of the kernel's environment (GPU plan, engine
-    switches, the server environment's `extra_env`, then `cfg.env`, later ones winning)."""
+    switches, the server environment's `extra_env`, then `cfg.env`, later ones winning), and
+    `api_key` (resolved: not "auto") in the engine's key variable."""
     env = {"PYTHONUNBUFFERED": "1"}  # the log tail shows the latest lines, not a stale buffer
     if cfg.gpu_plan is not None:
         env.update(cfg.gpu_plan.server_env())
     env.update(cfg.spec.server_env)
     env.update(extra_env or {})
     env.update(cfg.env)
+    if api_key and cfg.spec.api_key_env:
+        env[cfg.spec.api_key_env] = api_key
     return env
 
 
@@ -198,6 +232,11 @@ def config_hash(cfg: ServerConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _url(host: str, port: int | None) -> str:
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 class Server:
     """One server process: `start()`, `stop()`, `restart()`, `alive()`, `log_tail()`, `client()`.
 
@@ -205,10 +244,12 @@ class Server:
     """
 
     def __init__(self, config: ServerConfig):
-        self.config = config
+        config = self.config = with_env_args(config)
         self.proc = None
         self.port: int | None = config.port
         self.record: procs.ProcessRecord | None = None
+        self.api_key: str | None = None
+        """The key of the running server (cfg.api_key resolved); the client sends it."""
         self.server_env: ServerEnv | None = None
         self.log_path = Path(config.run_dir).resolve() / f"{config.engine}.log"
         self.config_hash = config_hash(config)
@@ -216,27 +257,37 @@ class Server:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        return self.record.pid if self.record is not None else None
+
+    @property
+    def adopted(self) -> bool:
+        """Started by a kernel that died, taken over by this one (no Popen handle)."""
+        return self.record is not None and self.proc is None
 
     @property
     def url(self) -> str:
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.config.host, self.config.host)
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+        return _url(self.config.host, self.port)
 
     def alive(self) -> bool:
         """Is the server process running? (Not whether it answers: see client.health.)"""
-        return self.proc is not None and self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.record is not None and self.record.server_alive()
 
     def start(self) -> "Server":
-        """Launch and wait for /health; returns self. A no-op when already running."""
+        """Adopt the dead kernel's server of this config, or launch and wait for /health;
+        returns self. A no-op when already running."""
         if self.alive():
             return self
         self.stop(timeout_s=5)  # after a crash: workers it left behind, its records
         cfg = self.config
+        if self._adopt():
+            return self
         if not cfg._command_override:
             check_model_path(cfg.model_path)
         reap_orphans()
         self._check_run_dir_record()
+        self.api_key = resolve_api_key(cfg)
         for name in _ignored_options(cfg):
             log.warning("%s has no equivalent on engine %r; ignored", name, cfg.engine)
         self.server_env = (ServerEnv(cfg.python or sys.executable, cfg.engine, "test", {}, "override")
@@ -274,7 +325,7 @@ class Server:
 
     def client(self) -> EngineClient:
         """An async client for this engine (engines.make_client)."""
-        return engines.make_client(self.config.engine, self.url, self.config.model_path, api_key=self.config.api_key)
+        return engines.make_client(self.config.engine, self.url, self.config.model_path, api_key=self.api_key)
 
     def log_tail(self, n: int = 20) -> str:
         """The last `n` lines this start wrote to the log."""
@@ -314,14 +365,15 @@ class Server:
     def _launch(self) -> None:
         cfg = self.config
         cmd = build_command(cfg, self.server_env.python, self.port)
-        env = child_env(cfg.engine, build_env(cfg, self.server_env.extra_env))
-        shown = ["***" if cfg.api_key and a == cfg.api_key else a for a in cmd]
+        env = child_env(cfg.engine, build_env(cfg, self.server_env.extra_env, self.api_key))
+        if not self.api_key and cfg.spec.api_key_env:
+            env.pop(cfg.spec.api_key_env, None)  # a key in the kernel's environment would lock us out
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        header = f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: {' '.join(shown)}\n"
+        header = f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: {' '.join(cmd)}\n"
         self.proc = procs.spawn(cmd, env, self.log_path, header)
         self.record = procs.ProcessRecord.of_child(
             self.proc.pid, port=self.port, host=cfg.host, engine=cfg.engine, run_dir=str(self.log_path.parent),
-            log_path=str(self.log_path), config_hash=self.config_hash, command=shown)
+            log_path=str(self.log_path), config_hash=self.config_hash, command=cmd, api_key=self.api_key)
         self.record.save()
         _LIVE.add(self)
         log.info("started %s (%s %s) pid %d on %s, log %s", cfg.engine, self.server_env.python,
@@ -329,7 +381,7 @@ class Server:
 
     def _wait_ready(self) -> None:
         cfg, t0 = self.config, time.monotonic()
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         bar = tqdm(total=round(cfg.timeout_s), desc=f"{cfg.engine} starting on {self.url}",
                    unit="s", leave=False, bar_format="{desc}: {n:.0f}/{total} s")
         with bar, httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), headers=headers) as http:
@@ -370,8 +422,9 @@ class Server:
     def _check_run_dir_record(self) -> None:
         """Refuse to start over a live server of another kernel in the same run_dir; stop one
         that this process (after a module reload) or a dead one left there."""
-        rec = procs.ProcessRecord.load(self.log_path.parent / f"{self.config.engine}.server.json")
-        if rec is None or not rec.server_alive():
+        path = self.log_path.parent / f"{self.config.engine}.server.json"
+        rec = procs.ProcessRecord.load(path)
+        if rec is None or not rec.found_in(path) or not rec.server_alive():
             return
         if rec.owner_alive() and rec.owner_pid != os.getpid():
             raise ServerStartError(
@@ -381,6 +434,39 @@ class Server:
         log.warning("stopping the %s server pid %d left in %s", rec.engine, rec.pid, rec.run_dir)
         procs.stop_group(rec.pgid)
         rec.remove()
+
+
+    def _adopt(self) -> bool:
+        """Take over the live server a dead kernel started in this run_dir with this config:
+        its key from the 0600 record must open an authenticated route. Else False (the caller
+        starts a new server; reaping stops the orphan)."""
+        path = self.log_path.parent / f"{self.config.engine}.server.json"
+        rec = procs.ProcessRecord.load(path)
+        if (rec is None or not rec.found_in(path) or rec.config_hash != self.config_hash
+                or rec.owner_alive() or not rec.server_alive()
+                or (self.config.port is not None and rec.port != self.config.port)):
+            return False
+        headers = {"Authorization": f"Bearer {rec.api_key}"} if rec.api_key else {}
+        base = _url(self.config.host, rec.port)
+        try:
+            with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), headers=headers) as http:
+                ok = (http.get(f"{base}/health").status_code == 200
+                      and http.get(f"{base}{self.config.spec.auth_probe}").status_code == 200)
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            log.warning("not adopting the %s server pid %d on port %d: it does not answer, or its "
+                        "recorded key is refused", rec.engine, rec.pid, rec.port)
+            return False
+        self.port, self.api_key, self.proc = rec.port, rec.api_key, None
+        self.record = replace(rec, owner_pid=os.getpid(), owner_create_time=procs.create_time(os.getpid()) or 0.0)
+        self.record.save()
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        _LIVE.add(self)
+        log.info("adopted the %s server pid %d on %s that a dead kernel (pid %d) started",
+                 rec.engine, rec.pid, self.url, rec.owner_pid)
+        reap_orphans()  # the others of dead kernels; this one's owner is now alive
+        return True
 
 
 # What every engine reads from a model directory (save_pretrained writes all three).
@@ -421,7 +507,7 @@ def start_server(cfg: ServerConfig | None = None, **overrides) -> Server:
     """Start a server for `cfg`, or return the live one a previous call started with the same
     config (a re-run cell). A different config for the same run_dir/engine replaces it.
     Keyword arguments build the config, or replace fields of `cfg`."""
-    cfg = replace(cfg, **overrides) if cfg is not None else ServerConfig(**overrides)
+    cfg = with_env_args(replace(cfg, **overrides) if cfg is not None else ServerConfig(**overrides))
     key = (str(Path(cfg.run_dir).resolve()), cfg.engine)
     old = _REGISTRY.get(key)
     if old is not None and old.alive() and old.config_hash == config_hash(cfg):

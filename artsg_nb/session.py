@@ -40,9 +40,9 @@ from .retention import prune_adapters
 from .rollout import collect_groups, require_rewards
 from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, check_resumable,
                          config_record, resolve_release)
+from .procs import RunDirLock
 from .samples import constant_groups, read_samples, write_rollouts
 from .server import ServerConfig, ServerStartError, exit_status, start_server
-from .server_env import server_args
 from .tasks import resolve_task
 from .tiny_model import default_model_dir, is_tiny_build
 from .trackers import Trackers
@@ -71,11 +71,23 @@ class GRPORun:
         self._unwritten_row: dict | None = None  # a completed step whose history write failed
         self._weights_version: str | None = None  # the adapter version holding the trainer's weights
         self.watchdog = HealthWatchdog(lambda: self.server, lambda: self.client, cfg.hang_timeout_s)
+        self._lock = RunDirLock(self.run_dir)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "GRPORun":
+        """Lock run_dir (one writer: procs.RunDirLock), start or adopt the server, build the
+        trainer, load history and the latest adapter. A failure stops the server it started and
+        releases the lock before the error goes up."""
+        self.task = resolve_task(self.cfg.task)  # a typo fails before run_dir (and its lock) exists
+        self._lock.acquire()
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "GRPORun":
         cfg = self.cfg
-        self.task = resolve_task(cfg.task)
         self._save_config()
         self.plan = plan_gpus(list_gpus(), num_servers=cfg.num_servers)
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
@@ -112,11 +124,15 @@ class GRPORun:
         tmp.replace(path)
 
     def stop(self) -> None:
-        """Stop the server (by process group). Saved adapters and history stay in run_dir."""
-        if self.trackers is not None:
-            self.trackers.close()
-        if self.server is not None:
-            self.server.stop()
+        """Stop the server (by process group), refresh the dashboard a last time, and release
+        run_dir's lock. Saved adapters and history stay in run_dir."""
+        try:
+            if self.trackers is not None:
+                self.trackers.close()
+            if self.server is not None:
+                self.server.stop()
+        finally:
+            self._lock.release()
 
     def __enter__(self):
         return self.start()
@@ -232,10 +248,9 @@ class GRPORun:
     def _start_server(self, engine: str, model_path: str):
         cfg = self.cfg
         mem = getattr(self.plan, "server_mem_fraction", None)
-        extra = server_args(engine, cfg.server_args)
         scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
-                            api_key=cfg.api_key, extra_args=extra, enable_memory_saver=self.release,
+                            api_key=cfg.api_key, extra_args=cfg.server_args, enable_memory_saver=self.release,
                             enable_weights_cpu_backup=self.release and "weights" in cfg.release_tags)
         if self.plan.num_servers > 1:  # N engines behind sglang-router, looking like one server
             return Fleet(fleet_configs(scfg, self.plan), self.run_dir).start()

@@ -14,18 +14,21 @@ from artsg_nb.engines import SamplingParams, make_client
 from artsg_nb.metrics import cache_counters, hit_rate, parse_metrics
 from artsg_nb.router import RouterError, build_router_command, start_router
 from artsg_nb.server import ServerConfig, start_server
-from test_engine_integration import _make_adapter
+from lora_files import make_adapter
 
 pytest.importorskip("sglang_router", reason="needs the sglang-router package (environment-train.yml)")
 pytestmark = pytest.mark.slow
 
 
+KEY = "router-test-key"  # one key for the router and its workers: it forwards the client's
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    servers = [start_server(ServerConfig(engine="cpu", model_path=str(tiny_model_dir), max_lora_rank=16,
+    servers = [start_server(ServerConfig(engine="cpu", model_path=str(tiny_model_dir), max_lora_rank=16, api_key=KEY,
                                          run_dir=tmp_path_factory.mktemp(f"worker{i}"))) for i in range(2)]
-    router = start_router([s.url for s in servers], tmp_path_factory.mktemp("router"))
-    adapter = _make_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapters") / "a")
+    router = start_router([s.url for s in servers], tmp_path_factory.mktemp("router"), api_key=KEY)
+    adapter = make_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapters") / "a")
     yield servers, router, adapter
     router.stop()
     for s in servers:
@@ -54,7 +57,7 @@ def test_groups_spread_over_workers_and_keep_their_prefix(cluster, tiny_model_di
     prompts = [[rng.randrange(100, 2000) for _ in range(48)] for _ in range(6)]
 
     async def rollout():
-        async with make_client("sglang", router.url, str(tiny_model_dir)) as client:
+        async with make_client("sglang", router.url, str(tiny_model_dir), api_key=KEY) as client:
             return await asyncio.gather(*[_group(client, p, "policy-step-1", 4) for p in prompts])
 
     groups = asyncio.run(rollout())
@@ -82,7 +85,7 @@ def test_n_samples_in_one_request_come_back_through_the_router(cluster, tiny_mod
     _, router, _ = cluster
     ids = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "What is 3+4?"}],
                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-    client = make_client("sglang", router.url, str(tiny_model_dir))
+    client = make_client("sglang", router.url, str(tiny_model_dir), api_key=KEY)
     gens = asyncio.run(client.generate(ids, SamplingParams(max_new_tokens=5, n=3), adapter="policy-step-1"))
     assert len(gens) == 3 and all(len(g.output_ids) == len(g.logprobs) for g in gens)
 
@@ -103,10 +106,24 @@ def test_start_fails_with_the_log_tail_when_a_worker_is_missing(tmp_path):
 
 
 def test_command_line():
-    cmd = build_router_command(["http://a:1", "http://b:2"], 30001, 30002, api_key="k", python="py")
-    assert cmd[:3] == ["py", "-m", "sglang_router.launch_router"]
+    cmd = build_router_command(["http://a:1", "http://b:2"], 30001, 30002, python="py")
+    assert cmd[:2] == ["py", "-c"] and "sglang_router.launch_router" in cmd[2]
+    assert "--api-key" not in cmd  # the key goes by environment (LAUNCHER), never argv
     assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--policy")] == ["http://a:1", "http://b:2"]
-    assert cmd[cmd.index("--api-key") + 1] == "k" and cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--cache-threshold") + 1] == "0.9"  # not SGLang's 0.3: see DEFAULT_CACHE_THRESHOLD
     with pytest.raises(ValueError):
         build_router_command([], 1, 2)
+
+
+def test_router_needs_the_key_and_keeps_it_out_of_argv(cluster, tiny_model_dir):
+    import httpx
+    import psutil
+
+    _, router, _ = cluster
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(f"{router.url}/generate", json=body, timeout=30).status_code == 401
+    ok = httpx.post(f"{router.url}/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert ok.status_code == 200, ok.text
+    for proc in [psutil.Process(router.proc.pid), *psutil.Process(router.proc.pid).children(recursive=True)]:
+        assert KEY not in " ".join(proc.cmdline()), f"the router's key is in the argv of pid {proc.pid}"

@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from artsg_nb import procs, server
+from artsg_nb import engines, procs, server
 from artsg_nb.gpus import GpuInfo, plan_gpus
 from artsg_nb.server import (PortInUseError, ServerConfig, ServerNotReady, ServerStartError,
                              build_command, build_env, start_server)
@@ -280,7 +280,7 @@ BUNDLE = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--g
 def test_sglang_command_matches_gpu_readme():
     cfg = ServerConfig("sglang", "MODEL_DIR", "runs/x", port=30000, mem_fraction=0.5, extra_args=BUNDLE)
     assert build_command(cfg, python="python3") == [
-        "python3", "-m", "sglang.launch_server", "--model-path", "MODEL_DIR", "--host", "127.0.0.1",
+        "python3", "-c", engines.sglang.LAUNCHER, "--model-path", "MODEL_DIR", "--host", "127.0.0.1",
         "--port", "30000", "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", *MODULES,
         "--max-loras-per-batch", "4", "--enable-metrics", "--enable-cache-report",
         "--mem-fraction-static", "0.5", *BUNDLE]
@@ -295,9 +295,11 @@ def test_sglang_optional_flags_and_plan():
     assert cmd[cmd.index("--lora-target-modules") + 1:cmd.index("--max-loras-per-batch")] == ["all"]
     for flag in ("--enable-memory-saver", "--disable-radix-cache"):
         assert flag in cmd
-    assert cmd[cmd.index("--api-key") + 1] == "s3cret" and cmd[cmd.index("--schedule-policy") + 1] == "lpm"
-    env = build_env(cfg)
+    assert cmd[cmd.index("--schedule-policy") + 1] == "lpm"
+    assert not any("s3cret" in a for a in cmd) and "--api-key" not in cmd  # argv is world-readable
+    env = build_env(cfg, api_key="s3cret")
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["ARTSG_SGLANG_API_KEY"] == "s3cret"
     assert "--mem-fraction-static" not in build_command(ServerConfig("sglang", "M", "r", port=1), "py")
 
 
@@ -310,7 +312,8 @@ def test_vllm_command_and_env_match_gpu_readme():
         "--max-loras", "4", "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs",
         "--enable-prompt-tokens-details", "--gpu-memory-utilization", "0.5",
         "--attention-backend", "TRITON_ATTN"]
-    env = build_env(cfg, extra_env={"PYTHONPATH": "/tmp/vsite"})
+    env = build_env(cfg, extra_env={"PYTHONPATH": "/tmp/vsite"}, api_key="vk")
+    assert env["VLLM_API_KEY"] == "vk"  # vLLM reads it when --api-key is absent
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["PYTHONPATH"] == "/tmp/vsite" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     no_cache = build_command(ServerConfig("vllm", "M", "r", port=1, disable_radix_cache=True), "py")
@@ -340,8 +343,31 @@ def test_cpu_engine_command():
     assert build_command(cfg, python="py") == [
         "py", "-m", "artsg_nb.cpu_engine", "--model-path", "/m", "--host", "127.0.0.1", "--port", "5",
         "--max-lora-rank", "16", "--lora-target-modules", *MODULES, "--enable-cache-report",
-        "--api-key", "k", "--disable-radix-cache"]
+        "--disable-radix-cache"]
+    assert build_env(cfg, api_key="k")["ARTSG_CPU_ENGINE_API_KEY"] == "k"
     assert cfg.timeout_s == 120 and ServerConfig("sglang", "/m", "r").timeout_s == 600
+
+
+def test_start_server_applies_the_engine_args_variable(monkeypatch):
+    """$ARTSG_SGLANG_ARGS reaches every start_server caller (GRPORun, bench, tools), not only
+    GRPORun; explicit extra_args win."""
+    monkeypatch.setenv("ARTSG_SGLANG_ARGS", "--attention-backend triton")
+    srv = server.Server(ServerConfig("sglang", "M", "r", port=1))
+    assert srv.config.extra_args == ("--attention-backend", "triton")
+    assert build_command(srv.config, "py")[-2:] == ["--attention-backend", "triton"]
+    assert server.Server(ServerConfig("sglang", "M", "r", extra_args=("--x",))).config.extra_args == ("--x",)
+
+
+def test_api_key_defaults_to_a_random_key_per_start(caplog):
+    cfg = ServerConfig("cpu", "M", "r")
+    assert cfg.api_key == "auto"
+    a, b = server.resolve_api_key(cfg), server.resolve_api_key(cfg)
+    assert a != b and len(a) >= 40
+    with caplog.at_level("WARNING"):
+        assert server.resolve_api_key(ServerConfig("cpu", "M", "r", api_key=None)) is None
+    assert "api_key=None" in caplog.text
+    with pytest.raises(ValueError, match="api_key"):
+        ServerConfig("cpu", "M", "r", api_key="two words")
 
 
 def test_config_validation():

@@ -39,7 +39,7 @@ from ..engines import SamplingParams, make_client, run_sync
 from ..metrics import cache_counters, hit_rate, theoretical_hit_rate
 from ..rollout import SCHEDULES, collect_groups, rollout_stats
 from ..server import TARGET_MODULES, ServerConfig, start_server
-from ..server_env import ServerEnvNotFoundError, find_server_env, server_args
+from ..server_env import ServerEnvNotFoundError, find_server_env
 from ..tiny_model import default_model_dir
 from .raw import RAW_SCHEDULES, raw_plans, replay_raw
 from .results import COLUMNS, results_frame, save_results
@@ -94,7 +94,7 @@ class BenchConfig:
     """Server logs and the adapters saved for the reload figure."""
     extra_args: tuple[str, ...] = ()
     """Extra server command-line arguments (e.g. the GPU bundle's --attention-backend triton);
-    empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as GRPORun does (envs.server_args)."""
+    empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as every start_server does (server.with_env_args)."""
     out: str | None = None
     """CSV path; None: benchmarks/results/<date>-<engine>-<hardware>.csv."""
     flags: str = ""
@@ -315,8 +315,7 @@ def run_bench(cfg: BenchConfig) -> pd.DataFrame:
             rows += run_sync(_with_client(client, cfg, radix, model))
             continue
         server_cfg = ServerConfig(engine=cfg.engine, model_path=model, run_dir=cfg.run_dir,
-                                  disable_radix_cache=not radix,
-                                  extra_args=server_args(cfg.engine, cfg.extra_args))
+                                  disable_radix_cache=not radix, extra_args=cfg.extra_args)
         with start_server(server_cfg) as server:
             rows += run_sync(_with_client(server.client(), cfg, radix, model))
     df = results_frame(rows)

@@ -4,12 +4,14 @@
         [--max-lora-rank 16] [--lora-target-modules all|q_proj ...] [--max-loras-per-batch 8] \\
         [--lora-paths name=path ...] [--cache-budget-tokens 65536] [--disable-radix-cache] \\
         [--enable-cache-report] [--enable-memory-saver [--enable-weights-cpu-backup]] \\
-        [--api-key KEY] [--random-seed S] [--log-level info]
+        [--random-seed S] [--log-level info]      # key: $ARTSG_CPU_ENGINE_API_KEY
 
 What it does: parses SGLang's flag names into EngineArgs, configures logging to stdout (the
 launcher's log file) and serves the app with uvicorn until SIGTERM. GPU-only SGLang flags
 (--enable-lora, --enable-metrics, --mem-fraction-static) are accepted and ignored, so a shared
-launcher can pass them. What it does not do: anything but start the program (engine.py and
+launcher can pass them. The API key comes from $ARTSG_CPU_ENGINE_API_KEY (removed from the
+environment once read): a flag would show it in /proc/<pid>/cmdline, which every local user can
+read. `--api-key` still works for a server started by hand. What it does not do: anything but start the program (engine.py and
 routes.py do the work).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import uvicorn
@@ -26,6 +29,9 @@ from .model import ALL_TARGET_MODULES
 from .routes import create_app
 
 log = logging.getLogger("artsg_nb.cpu_engine")
+
+API_KEY_ENV = "ARTSG_CPU_ENGINE_API_KEY"
+"""The variable the key is read from (artsg_nb.engines.cpu.SPEC.api_key_env names it too)."""
 
 DESCRIPTION = "The CPU engine: a real inference server that speaks the subset of SGLang's HTTP API artsg_nb uses."
 
@@ -45,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
     p.add_argument("--enable-cache-report", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", help=f"prefer ${API_KEY_ENV}: a flag is visible to every local user")
     p.add_argument("--random-seed", type=int)
     p.add_argument("--log-level", default="info")
     p.add_argument("--max-running-requests", type=int, default=64)
@@ -68,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
         lora_paths=tuple(a.lora_paths), cache_budget_tokens=a.cache_budget_tokens,
         disable_radix_cache=a.disable_radix_cache, enable_cache_report=a.enable_cache_report,
         enable_memory_saver=a.enable_memory_saver, enable_weights_cpu_backup=a.enable_weights_cpu_backup,
-        api_key=a.api_key, random_seed=a.random_seed, log_level=a.log_level,
+        api_key=a.api_key or os.environ.pop(API_KEY_ENV, None) or None, random_seed=a.random_seed, log_level=a.log_level,
         max_running_requests=a.max_running_requests, max_prefill_tokens=a.max_prefill_tokens,
         num_threads=a.num_threads, skip_server_warmup=a.skip_server_warmup,
         ignored={k: v for k, v in (("enable_lora", a.enable_lora), ("enable_metrics", a.enable_metrics),

@@ -6,8 +6,8 @@ What it does: maps each route the toolkit uses onto the Engine (engine.py): read
 `data: {...}` chunks ending with `data: [DONE]`; /v1/chat/completions), adapters
 (/load_lora_adapter, /unload_lora_adapter with SGLang's LoRAUpdateOutput body), /flush_cache
 (plain text, 400 while requests run), /release_memory_occupation and /resume_memory_occupation
-(null body; Engine.release_memory and resume_memory), /metrics (Prometheus text) and the
---api-key check. It receives the Engine object from __main__ and only calls it; engine.py never
+(null body; Engine.release_memory and resume_memory), /metrics (Prometheus text) and the API
+key check (as SGLang: every route but /health and /metrics needs `Authorization: Bearer <key>`). It receives the Engine object from __main__ and only calls it; engine.py never
 imports this module.
 
 Error shapes follow SGLang: generic 400s are {"error": {"message"}}, a broken sampling_params
@@ -21,6 +21,7 @@ SGLang's other routes (/pause_generation, weight updates, /v1/completions, ...),
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import threading
 import time
@@ -58,13 +59,19 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
+OPEN_ROUTES = frozenset({"/health", "/metrics"})
+"""Answered without the key, as on SGLang with --api-key (liveness and Prometheus scrapes)."""
+
+
 def _add_auth(app: FastAPI, api_key: str | None) -> None:
     if not api_key:
         return
+    expected = f"Bearer {api_key}".encode()
 
     @app.middleware("http")
     async def check_key(request: HttpRequest, call_next):
-        if request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return await call_next(request)
 

@@ -20,7 +20,6 @@ def launch_args(cfg, port: int) -> list[str]:
     args = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
             "--max-lora-rank", str(cfg.max_lora_rank),
             "--lora-target-modules", *cfg.lora_target_modules, "--enable-cache-report"]
-    args += ["--api-key", cfg.api_key] if cfg.api_key else []
     args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
     args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
     return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
@@ -29,6 +28,7 @@ def launch_args(cfg, port: int) -> list[str]:
 
 SPEC = EngineSpec(
     name="cpu", client_class=SGLangClient, entry="artsg_nb.cpu_engine", package="artsg_nb",
-    launch_args=launch_args, ignored_options=("schedule_policy", "mem_fraction"), startup_timeout_s=120.0,
+    launch_args=launch_args, api_key_env="ARTSG_CPU_ENGINE_API_KEY", auth_probe="/model_info",
+    ignored_options=("schedule_policy", "mem_fraction"), startup_timeout_s=120.0,
     metric_prefix=SGLANG.metric_prefix, prompt_counters=SGLANG.prompt_counters,
     cached_counters=SGLANG.cached_counters)

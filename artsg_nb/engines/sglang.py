@@ -245,12 +245,31 @@ def launch_args(cfg, port: int) -> list[str]:
             "--enable-metrics", "--enable-cache-report"]
     if (mem := cfg.resolved_mem_fraction()) is not None:
         args += ["--mem-fraction-static", f"{mem:g}"]
-    args += ["--api-key", cfg.api_key] if cfg.api_key else []
     args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
     args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
     args += ["--schedule-policy", cfg.schedule_policy] if cfg.schedule_policy else []
     return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
 
+
+
+API_KEY_ENV = "ARTSG_SGLANG_API_KEY"
+# SGLang 0.5.14 takes its key only as `--api-key` (server_args.py: a plain str flag, no
+# environment variable and no key file; `SGLANG_API_KEY` is a client-side convention, not read
+# by the server), and /proc/<pid>/cmdline is world-readable. So the server runs this instead of
+# `python -m sglang.launch_server`: it moves the key from the environment (readable only by the
+# same user) into sys.argv *inside* the process — the kernel's argv page, which is what
+# /proc/<pid>/cmdline shows, never holds it — and runs launch_server's __main__, which parses
+# `prepare_server_args(sys.argv[1:])`. Subprocesses SGLang spawns get the parsed ServerArgs by
+# pickle, not by argv. Plain code rather than a module of ours: the server environment need not
+# have artsg_nb installed. SGLang prints its ServerArgs (key included) to the log, which is
+# therefore created 0600 (procs.spawn).
+LAUNCHER = f"""\
+import os, runpy, sys
+key = os.environ.pop({API_KEY_ENV!r}, "")
+if key:
+    sys.argv += ["--api-key", key]
+runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+"""
 
 
 def validate(cfg) -> None:
@@ -261,7 +280,8 @@ def validate(cfg) -> None:
 
 SPEC = EngineSpec(
     name="sglang", client_class=SGLangClient, entry="sglang.launch_server", package="sglang",
-    launch_args=launch_args, validate=validate,
+    launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER,
+    auth_probe="/model_info",
     python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",
     conda_env="artsg-server", venv_dir=".venv-server",
     create_commands=("conda env create -f environment-server.yml", "make server-env"),

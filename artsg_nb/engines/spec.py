@@ -36,6 +36,14 @@ class EngineSpec:
     """ServerConfig fields the engine has no flag for (logged when set, not fatal)."""
     startup_timeout_s: float = 600.0
     """Default seconds to wait for /health (a first GPU start compiles kernels)."""
+    api_key_env: str | None = None
+    """Variable the server reads its API key from. The key never goes on the command line:
+    /proc/<pid>/cmdline is readable by every local user. None: the engine cannot take a key."""
+    launcher: str | None = None
+    """Python code run as `python -c <launcher> <flags>` instead of `python -m <entry>` (SGLang:
+    moves the key from `api_key_env` into the parsed flags inside the process)."""
+    auth_probe: str = "/model_info"
+    """A GET route that needs the key: adopting a server checks the recorded key opens it."""
     python_var: str | None = None
     """Variable naming the server environment's interpreter; None: the kernel's own."""
     pythonpath_var: str | None = None

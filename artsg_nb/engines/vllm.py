@@ -248,8 +248,7 @@ def launch_args(cfg, port: int) -> list[str]:
             "--enable-prompt-tokens-details"]         # cached_tokens in usage
     if (mem := cfg.resolved_mem_fraction()) is not None:
         args += ["--gpu-memory-utilization", f"{mem:g}"]
-    args += ["--enable-sleep-mode"] if cfg.enable_memory_saver else []
-    return args + (["--api-key", cfg.api_key] if cfg.api_key else [])
+    return args + (["--enable-sleep-mode"] if cfg.enable_memory_saver else [])
 
 
 
@@ -263,6 +262,11 @@ def validate(cfg) -> None:
 SPEC = EngineSpec(
     name="vllm", client_class=VLLMClient, entry="vllm.entrypoints.openai.api_server", package="vllm",
     launch_args=launch_args, validate=validate, ignored_options=("schedule_policy",),
+    # vLLM reads its key from VLLM_API_KEY when --api-key is absent (vllm/envs.py; the app's
+    # AuthenticationMiddleware in api_server.py), so it never goes on the command line. vLLM
+    # guards only the routes of its OpenAI API (/v1/...): the dev routes (/sleep, /wake_up,
+    # /reset_prefix_cache) answer without a key — keep VLLM_SERVER_DEV_MODE servers on 127.0.0.1.
+    api_key_env="VLLM_API_KEY", auth_probe="/v1/models",
     server_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",  # /v1/load_lora_adapter exists only with it
                 "VLLM_SERVER_DEV_MODE": "1"},             # /reset_prefix_cache, /sleep, /wake_up
     python_var="ARTSG_VLLM_PYTHON", pythonpath_var="ARTSG_VLLM_PYTHONPATH", env_var="ARTSG_VLLM_ENV",

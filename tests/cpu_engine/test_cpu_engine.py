@@ -597,20 +597,23 @@ def test_scheduler_cache_off_gives_the_same_tokens_and_logprobs(cpu_engine_model
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
 
 
-def test_api_key_guards_every_route_but_health(cpu_engine_model_dir):
+def test_api_key_guards_every_route_but_health_and_metrics(cpu_engine_model_dir, monkeypatch):
     from fastapi.testclient import TestClient
 
     from artsg_nb.cpu_engine.__main__ import parse_args
     from artsg_nb.cpu_engine.engine import Engine
     from artsg_nb.cpu_engine.routes import create_app
 
-    engine = Engine(parse_args(["--model-path", str(cpu_engine_model_dir), "--api-key", "sekrit"]))
+    monkeypatch.setenv("ARTSG_CPU_ENGINE_API_KEY", "sekrit")  # the key comes by environment, not argv
+    engine = Engine(parse_args(["--model-path", str(cpu_engine_model_dir)]))
+    assert "ARTSG_CPU_ENGINE_API_KEY" not in os.environ  # read once, not passed on to children
     client = TestClient(create_app(engine))  # no `with`: the model is never loaded
     assert client.get("/health").status_code == 503  # reachable without a key, not ready
+    assert client.get("/metrics").status_code == 200  # open, as on SGLang
     assert client.get("/model_info").status_code == 401
     assert client.post("/generate", json={}).status_code == 401
-    assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert client.get("/metrics", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+    assert client.post("/load_lora_adapter", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/model_info", headers={"Authorization": "Bearer sekrit"}).status_code == 200
 
 
 def test_parse_model_parameter_follows_sglang():

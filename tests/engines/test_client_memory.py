@@ -30,7 +30,12 @@ def generate_status(run, route="/generate") -> int:
     """Status of one raw request (sync, so it also works from inside trainer.train_step)."""
     body = ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}} if route == "/generate" else
             {"model": run.server.config.model_path, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    return httpx.post(run.server.url + route, json=body, timeout=60).status_code
+    return httpx.post(run.server.url + route, json=body, timeout=60, headers=auth(run)).status_code
+
+
+def auth(run) -> dict:
+    """The server's key (every server requires one by default)."""
+    return {"Authorization": f"Bearer {run.server.api_key}"}
 
 
 def test_steps_release_while_training_and_record_the_times(run, monkeypatch):
@@ -60,7 +65,7 @@ def test_release_waits_until_running_requests_finish(run):
         long = asyncio.create_task(client.generate(
             PROMPT, SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True), on_first_token=started))
         await started.wait()
-        async with httpx.AsyncClient(base_url=run.server.url) as http:  # unguarded: SGLang would assert and exit
+        async with httpx.AsyncClient(base_url=run.server.url, headers=auth(run)) as http:  # unguarded: SGLang would assert and exit
             raw = await http.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
         assert raw.status_code == 400 and "only when server is idle" in raw.json()["error"]["message"]
         await client.release_memory(idle_timeout_s=60)

@@ -10,11 +10,11 @@ import os
 import shlex
 
 import pytest
-import torch
 
 from artsg_nb.engines import AdapterExistsError, AdapterRankError, SamplingParams, UnknownAdapterError
 from artsg_nb.metrics import cache_counters
 from artsg_nb.server import ServerConfig, start_server
+from lora_files import make_adapter
 
 ENGINES = [e.strip() for e in os.environ.get("ARTSG_TEST_ENGINES", "cpu").split(",") if e.strip()]
 PARAMS = [pytest.param(e, marks=[pytest.mark.gpu, pytest.mark.sglang] if e == "sglang" else []) for e in ENGINES]
@@ -22,24 +22,6 @@ PARAMS = [pytest.param(e, marks=[pytest.mark.gpu, pytest.mark.sglang] if e == "s
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def _make_adapter(model_dir, out, rank=8, seed=1):
-    """A LoRA adapter with non-zero B, so its outputs differ from the base model's."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                     "gate_proj", "up_proj", "down_proj"], lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, cfg)
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.5)
-    peft_model.save_pretrained(out, safe_serialization=True)
-    return str(out)
 
 
 @pytest.fixture(scope="module", params=PARAMS)
@@ -50,9 +32,9 @@ def engine(request, tiny_model_dir, tmp_path_factory):
     server = start_server(ServerConfig(engine=name, model_path=str(tiny_model_dir), run_dir=run_dir,
                                        max_lora_rank=16, extra_args=extra))
     adapters = tmp_path_factory.mktemp(f"adapters-{name}")
-    paths = {"a": _make_adapter(tiny_model_dir, adapters / "a", seed=1),
-             "b": _make_adapter(tiny_model_dir, adapters / "b", seed=2),
-             "r32": _make_adapter(tiny_model_dir, adapters / "r32", rank=32)}
+    paths = {"a": make_adapter(tiny_model_dir, adapters / "a", seed=1),
+             "b": make_adapter(tiny_model_dir, adapters / "b", seed=2),
+             "r32": make_adapter(tiny_model_dir, adapters / "r32", rank=32)}
     yield name, server, paths
     server.stop()
 

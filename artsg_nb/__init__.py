@@ -14,6 +14,7 @@ _EXPORTS = {
     "list_gpus": "gpus", "plan_gpus": "gpus",
     "Dashboard": "widgets",
     "LivePlot": "plots", "plot_training": "plots", "plot_engine_comparison": "plots",
+    "compare_runs": "plots", "sample_table": "plots",
     "get_task": "tasks", "list_tasks": "tasks",
     "default_model_dir": "tiny_model",
 }

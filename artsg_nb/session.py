@@ -33,6 +33,7 @@ from .gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History
 from .lora import AdapterPublisher, AdapterSaveError, adapter_name, load_version, probe_served_adapter, save_adapter_atomic
 from .metrics import HitRateTracker, cache_counters, hit_rate
+from .plots import LiveTraining, load_rollouts, plot_training
 from .rollout import collect_groups
 from .run_config import CONFIG_FILE, RunConfig, check_resumable, config_record
 from .server import ServerConfig, start_server
@@ -40,6 +41,7 @@ from .server_env import server_args
 from .tasks import get_task
 from .tiny_model import default_model_dir
 from .trainer import CheckpointError, Trainer, TrainerConfig
+from .widgets import Dashboard
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class GRPORun:
         self.history: History | None = None
         self.restarts = 0
         self.release = False  # resolved cfg.release_memory; may be toggled between steps
+        self._dashboard: Dashboard | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "GRPORun":
@@ -97,9 +100,26 @@ class GRPORun:
         tmp.replace(path)
 
     def stop(self) -> None:
-        """Stop the server (by process group). Saved adapters and history stay in run_dir."""
+        """Stop the server (by process group), then the dashboard after one last refresh, so it
+        says "stopped". Saved adapters and history stay in run_dir."""
         if self.server is not None:
             self.server.stop()
+        if self._dashboard is not None:
+            self._dashboard.stop(reason="run stopped")
+
+    def dashboard(self, refresh_s: float | None = 2.0) -> Dashboard:
+        """Show the live dashboard of this run (GPUs, server, adapter, hit rate); it refreshes
+        after each step of `run()` and once more when the run stops."""
+        if self._dashboard is not None:
+            self._dashboard.stop(reason="replaced by a new dashboard")
+        self._dashboard = Dashboard(self.plan, self.server, self.tracker, refresh_s=refresh_s,
+                                    adapter_fn=lambda: self.adapter)
+        return self._dashboard.show()
+
+    def plot(self, theoretical_hit_rate: float | None = None):
+        """The training curves so far as a figure (the last line of a cell shows it)."""
+        return plot_training(self.history.df, theoretical_hit_rate=theoretical_hit_rate,
+                             samples=_rollouts_of(self.run_dir))
 
     def __enter__(self):
         return self.start()
@@ -137,12 +157,25 @@ class GRPORun:
             print(self.history.format_row(row), flush=True)
         return row
 
-    async def run(self, n_steps: int, on_step=None) -> History:
-        """`n_steps` more steps; `on_step(row)` after each (e.g. a LivePlot update)."""
-        for _ in range(n_steps):
-            row = await self.step()
-            if on_step is not None:
-                on_step(row)
+    async def run(self, n_steps: int, on_step=None, live: bool = False) -> History:
+        """`n_steps` more steps; `on_step(row)` after each. With `live` the curves and an ETA bar
+        redraw in this cell's output after each step (plots.LiveTraining)."""
+        view = LiveTraining(n_steps, run_dir=self.run_dir) if live else None
+        try:
+            for _ in range(n_steps):
+                row = await self.step()
+                if view is not None:
+                    view.step_done(self.history.df)
+                if self._dashboard is not None:
+                    self._dashboard.refresh()
+                if on_step is not None:
+                    on_step(row)
+        except BaseException:
+            if view is not None:
+                view.finish(ok=False)
+            raise
+        if view is not None:
+            view.finish(ok=True)
         return self.history
 
     async def rollouts(self, seeds, schedule: str | None = None, flush_cache: bool = True) -> list:
@@ -324,7 +357,7 @@ class GRPORun:
                 "rollout_s": rollout_s, "train_s": train_s, "reload_s": reload_s, "hit_rate": hit_rate,
                 "release_s": memory_s[0], "resume_s": memory_s[1],
                 "zero_adv_groups": metrics.get("zero_adv_groups"),
-                "failed_rollouts": sum(t.error is not None for t in trajs),
+                "failed_rollouts": sum(t.error is not None for t in trajs), "samples": len(trajs),
                 "truncated": sum(bool(t.truncated) for t in trajs), "restarts": self.restarts,
                 "probe_mad": probe.get("probe_mad"), "probe_moved": probe.get("probe_moved"),
                 "time": time.time()}
@@ -347,6 +380,12 @@ def _probe_trajectory(groups):
             if t.error is None and sum(t.completion_mask) > 0:
                 return t
     return None
+
+
+def _rollouts_of(run_dir: Path):
+    """The run's per-sample rollouts (plots.load_rollouts), or None when it wrote none."""
+    samples = load_rollouts(run_dir)
+    return samples if len(samples) else None
 
 
 def _resolve_release(cfg: RunConfig, mode: str) -> bool:

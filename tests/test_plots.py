@@ -279,3 +279,14 @@ def test_live_training_bar_runs_blue_then_green_or_red(monkeypatch):
     failed = plots.LiveTraining(3)
     failed.finish(ok=False)
     assert 'data-state="failed"' in shown[-1].data and "#c22" in shown[-1].data  # red
+
+
+def test_a_run_without_rollouts_files_falls_back_to_the_history(tmp_path):
+    """LivePlot(run_dir=...) of a run that wrote no rollouts/ draws mean ± std, no boxes."""
+    empty = plots.load_rollouts(tmp_path)
+    assert len(empty) == 0
+    df = full_history()
+    assert plots.plot_completion_length(df, samples=empty).lines
+    live = plots.LivePlot(path=tmp_path / "live.png", run_dir=tmp_path, dpi=30)
+    live.update(df)
+    assert (tmp_path / "live.png").exists()

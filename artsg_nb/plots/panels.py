@@ -123,10 +123,12 @@ def plot_completion_length(df: pd.DataFrame, ax: Axes | None = None,
     if not has_data(length):
         return no_data(ax)
     ax.plot(step, length, marker=".", color="tab:pink")
-    if samples is not None and {"step", "completion_tokens"} <= set(samples):
-        spread = samples.groupby("step")["completion_tokens"].agg(["min", "max"])
-        ax.fill_between(spread.index.to_numpy(float), spread["min"], spread["max"], color="tab:pink",
-                        alpha=0.2)
+    if samples is not None and len(samples) and {"step", "completion_tokens"} <= set(samples):
+        tokens = pd.to_numeric(samples["completion_tokens"], errors="coerce")
+        spread = tokens.groupby(pd.to_numeric(samples["step"], errors="coerce")).agg(["min", "max"]).dropna()
+        if len(spread):
+            ax.fill_between(spread.index.to_numpy(float), spread["min"].to_numpy(float),
+                            spread["max"].to_numpy(float), color="tab:pink", alpha=0.2)
     return ax
 
 

@@ -105,6 +105,7 @@ class LivePlot:
 
     def _draw(self, df: pd.DataFrame) -> None:
         samples = load_rollouts(self.run_dir, steps=_steps(df)) if self.run_dir is not None and len(df) else None
+        samples = samples if samples is not None and len(samples) else None
         plot_training(df, fig=self.fig, theoretical_hit_rate=self.theoretical_hit_rate, samples=samples)
         if self.notebook:
             self._publish()

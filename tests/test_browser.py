@@ -133,12 +133,6 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 15) -> None:
             continue
 
 
-def cell_index(path: Path, text: str) -> int:
-    """Index of the first cell whose source contains `text`."""
-    cells = json.loads(path.read_text())["cells"]
-    return next(i for i, c in enumerate(cells) if text in "".join(c["source"]))
-
-
 def wait_kernel_idle(lab: Lab, timeout_s: float = 60) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -179,6 +173,12 @@ def process_is(pid: int, create_time: float) -> bool:
         return False
 
 
+def cell_containing(page, text: str):
+    """The code cell whose source shows `text` (by content: JupyterLab may not render every cell)."""
+    return page.locator(".jp-Notebook .jp-CodeCell").filter(
+        has=page.locator(".jp-InputArea", has_text=text)).first
+
+
 def image_src(cell) -> str:
     return cell.locator(".jp-OutputArea-output img").first.get_attribute("src") or ""
 
@@ -188,7 +188,6 @@ def test_quickstart_runs_live_in_chromium(lab):
 
     path = lab.root / "notebooks" / NOTEBOOK
     n_cells = len(json.loads(path.read_text())["cells"])
-    loop_i, plot_i = cell_index(path, "live=True"), cell_index(path, "fig = run.plot()")
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -198,7 +197,6 @@ def test_quickstart_runs_live_in_chromium(lab):
             page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
             wait_kernel_idle(lab)
             run_cells(page, n_cells - 1)  # queued: the kernel runs them one after another
-            cells = page.locator(".jp-Notebook .jp-Cell")
             hit_rate = page.locator(".artsg-dashboard .artsg-hit-rate[data-value]")
             try:
                 hit_rate.wait_for(timeout=CELLS_TIMEOUT_S * 1000)
@@ -209,16 +207,19 @@ def test_quickstart_runs_live_in_chromium(lab):
             assert dashboard.locator(".artsg-cpu-row, .artsg-gpu-row").count() >= 1
             assert "running" in dashboard.locator(".artsg-engine-row").inner_text()
             assert 0.0 <= float(hit_rate.get_attribute("data-value")) <= 1.0
+            record = server_record(lab)  # read while it runs: the stop removes it
 
             # The loop cell: its own image, redrawn after each step under the progress bar.
-            loop = cells.nth(loop_i)
+            loop = cell_containing(page, "live=True")
             frames = []
             for done in (1, 2):
                 bar = loop.locator(f".artsg-progress[data-done='{done}']")
                 try:
                     bar.wait_for(timeout=CELLS_TIMEOUT_S * 1000)
                 except Exception:
-                    pytest.fail(f"the loop cell never showed step {done}; errors:\n{failed_cell_output(page)}")
+                    page.screenshot(path=str(ARTIFACTS / "browser-quickstart-failed.png"), full_page=True)
+                    pytest.fail(f"the loop cell never showed step {done}; it holds:\n{loop.inner_html()[-3000:]}"
+                                f"\nerrors:\n{failed_cell_output(page)}")
                 frames.append(image_src(loop))
                 if done == 1:
                     loop.screenshot(path=str(ARTIFACTS / "browser-quickstart-live.png"))
@@ -228,16 +229,15 @@ def test_quickstart_runs_live_in_chromium(lab):
 
             # The stop cell ran last: the dashboard's final refresh says stopped.
             status = dashboard.locator(".artsg-server-status")
-            try:
-                page.wait_for_function("el => el.textContent.includes('stopped')", arg=status.element_handle(),
-                                       timeout=RUN_TIMEOUT_S * 1000)
-            except Exception:
-                pytest.fail(f"the dashboard does not say stopped: {status.inner_text()!r}; "
-                            f"errors:\n{failed_cell_output(page)}")
+            deadline = time.monotonic() + RUN_TIMEOUT_S  # the widget re-renders: poll by locator
+            while "stopped" not in status.inner_text() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert "stopped" in status.inner_text(), \
+                f"the dashboard does not say stopped: {status.inner_text()!r}; errors:\n{failed_cell_output(page)}"
             wait_kernel_idle(lab, RUN_TIMEOUT_S)
             assert not failed_cell_output(page).strip() or "Traceback" not in failed_cell_output(page)
             assert "run stopped" in dashboard.inner_text()
-            plot = cells.nth(plot_i)
+            plot = cell_containing(page, "fig = run.plot()")
             assert plot.locator(".jp-OutputArea-output img").count() == 1, "the final plot cell has no figure"
             # tqdm.notebook bars (the server start) end green, never red after a success.
             assert page.locator(".jp-OutputArea .progress-bar-danger").count() == 0
@@ -251,7 +251,6 @@ def test_quickstart_runs_live_in_chromium(lab):
         finally:
             browser.close()
 
-    record = server_record(lab)
     assert not process_is(record["pid"], record["create_time"]), \
         f"the cpu_engine server (pid {record['pid']}) outlived run.stop()"
 

@@ -178,6 +178,8 @@ def test_panels_that_say_nothing_leave_the_grid():
     assert "no KL term" in fig._suptitle.get_text() and "IS ratio within" in fig._suptitle.get_text()
     fig = plots.plot_training(flat.assign(kl=0.01 * np.arange(5)))  # beta > 0: KL has values
     assert "KL" in titles(fig)
+    assert "clip fraction" not in titles(plots.plot_training(flat.assign(clip_frac=0.0)))  # never clipped
+    assert "nothing clipped" in plots.plot_training(flat.assign(clip_frac=0.0))._suptitle.get_text()
     for wanted in ("completion length", "generation throughput", "step time", "clip fraction",
                    "grad norm", "prefix-cache hit rate per step"):
         assert wanted in titles(fig)

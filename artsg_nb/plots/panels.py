@@ -5,7 +5,8 @@ given, else a ±1 std band; eval reward when an `eval_reward` column has values)
 completion length, generated tokens per second, the step's time split into rollout / train /
 reload (stacked), clip fraction, gradient norm, IS ratio and prefix-cache hit rate.
 `training_panels(df)` picks the ones that say something: KL only when a KL term was computed
-(beta > 0), the IS ratio only when it left 1 ± IS_FLAT_TOLERANCE. Every panel accepts empty
+(beta > 0), the IS ratio only when it left 1 ± IS_FLAT_TOLERANCE, the clip fraction only once
+something was clipped. Every panel accepts empty
 frames, missing columns and NaN values ("no data" instead of raising). Nothing here reads files.
 """
 
@@ -176,9 +177,13 @@ def plot_grad_norm(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
 
 def training_panels(df: pd.DataFrame | None) -> list[str]:
     """The panels worth their space for `df`, in drawing order (names of the plot_* functions
-    without the prefix): KL only with a KL term, the IS ratio only when it moved off 1."""
+    without the prefix): KL only with a KL term, the IS ratio only when it moved off 1, the clip
+    fraction only when it is not all zeros."""
     names = ["reward", "loss", "completion_length", "tokens_per_s", "step_times", "hit_rate",
              "clip_frac", "grad_norm"]
+    _, clipped = column(df, "clip_frac")
+    if has_data(clipped) and np.nanmax(np.abs(clipped)) == 0:  # one update per batch: never clipped
+        names.remove("clip_frac")
     _, kl = column(df, "kl")
     if has_data(kl):
         names.insert(2, "kl")

@@ -60,7 +60,9 @@ def plot_training(df: pd.DataFrame, fig: Figure | None = None, theoretical_hit_r
     fig.suptitle(f"GRPO training, {steps} step{'s' if steps != 1 else ''}{_left_out(df, names)}",
                  fontsize="medium")
     # Fixed margins: a layout engine would triple the time of each live redraw.
-    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.1 / nrows, top=1 - 0.12 / nrows,
+    # The title needs ~0.5 in above the top row whatever the number of rows.
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.55 / (PANEL_SIZE_IN[1] * nrows),
+                        top=1 - 0.6 / (PANEL_SIZE_IN[1] * nrows),
                         wspace=0.32, hspace=0.5)
     return fig
 
@@ -219,6 +221,8 @@ def _left_out(df: pd.DataFrame | None, names: list[str]) -> str:
         notes.append("no KL term (beta = 0)")
     if "is_ratio" not in names and has_data(column(df, "is_ratio_mean")[1]):
         notes.append(f"IS ratio within 1 ± {panels.IS_FLAT_TOLERANCE} (on-policy)")
+    if "clip_frac" not in names and has_data(column(df, "clip_frac")[1]):
+        notes.append("nothing clipped")
     return f" · {' · '.join(notes)}" if notes else ""
 
 

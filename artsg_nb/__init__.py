@@ -14,6 +14,7 @@ _EXPORTS = {
     "list_gpus": "gpus", "plan_gpus": "gpus",
     "Dashboard": "widgets",
     "LivePlot": "plots", "plot_training": "plots", "plot_engine_comparison": "plots",
+    "compare_runs": "plots", "sample_table": "plots",
     "get_task": "tasks", "list_tasks": "tasks", "register_task": "tasks", "resolve_task": "tasks",
     "Task": "tasks", "Env": "tasks", "StepResult": "tasks",
     "default_model_dir": "tiny_model",

@@ -68,6 +68,12 @@ class GpuInfo:
     """Total memory, MiB."""
     mem_used_mib: float
     """Memory in use by any process when read, MiB."""
+    util_pct: float | None = None
+    """Percent of the last sample period a kernel ran (NVML utilization.gpu); None if unread."""
+    power_w: float | None = None
+    """Power draw when read, watts; None where NVML does not report it."""
+    power_limit_w: float | None = None
+    """Enforced power limit, watts; None where NVML does not report it."""
 
     @property
     def mem_free_mib(self) -> float:
@@ -177,7 +183,18 @@ def _read(pynvml, i: int) -> GpuInfo:
     mem = pynvml.nvmlDeviceGetMemoryInfo(h)
     name, uuid = pynvml.nvmlDeviceGetName(h), pynvml.nvmlDeviceGetUUID(h)
     name, uuid = (s.decode() if isinstance(s, bytes) else s for s in (name, uuid))
-    return GpuInfo(i, name, uuid, mem.total / 2**20, mem.used / 2**20)
+    util = _optional(lambda: float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu))
+    power = _optional(lambda: pynvml.nvmlDeviceGetPowerUsage(h) / 1000)
+    limit = _optional(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000)
+    return GpuInfo(i, name, uuid, mem.total / 2**20, mem.used / 2**20, util, power, limit)
+
+
+def _optional(read):
+    """One NVML reading that some GPUs do not support (NVMLError_NotSupported): None then."""
+    try:
+        return read()
+    except pynvml.NVMLError:
+        return None
 
 
 def _visible(gpus: list[GpuInfo], spec: str | None) -> list[GpuInfo]:

@@ -201,3 +201,28 @@ def _present(value: Any) -> bool:
 
 def _format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: float | None,
+             times_s: tuple, probe: dict, memory_s: tuple, restarts: int) -> dict:
+    """One step's row: rewards of its trajectory groups, the trainer's metrics, its hit rate,
+    (rollout_s, train_s, reload_s), the served-adapter probe, (release_s, resume_s), restarts."""
+    trajs = [t for g in groups for t in g.trajectories]
+    rewards = [t.reward for t in trajs if t.error is None and t.reward is not None]
+    mean = sum(rewards) / len(rewards) if rewards else float("nan")
+    std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
+    rollout_s, train_s, reload_s = times_s
+    return {"step": step, "adapter": adapter, "reward_mean": mean, "reward_std": std,
+            "loss": metrics.get("loss"), "kl": metrics.get("kl"), "clip_frac": metrics.get("clip_frac"),
+            "is_ratio_mean": metrics.get("is_ratio_mean"), "is_ratio_min": metrics.get("is_ratio_min"),
+            "is_ratio_max": metrics.get("is_ratio_max"), "grad_norm": metrics.get("grad_norm"),
+            "tokens": metrics.get("tokens"), "completion_tokens": metrics.get("completion_tokens"),
+            "rollout_s": rollout_s, "train_s": train_s, "reload_s": reload_s, "hit_rate": hit_rate,
+            "release_s": memory_s[0], "resume_s": memory_s[1],
+            "zero_adv_groups": metrics.get("zero_adv_groups"), "groups": len(groups),
+            "update_skipped": bool(metrics.get("update_skipped")),
+            "failed_rollouts": sum(t.error is not None for t in trajs), "samples": len(trajs),
+            "reward_errors": sum(t.reward_error is not None for t in trajs),
+            "truncated": sum(bool(t.truncated) for t in trajs), "restarts": restarts,
+            "probe_mad": probe.get("probe_mad"), "probe_moved": probe.get("probe_moved"),
+            "time": time.time()}

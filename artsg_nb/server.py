@@ -383,20 +383,23 @@ class Server:
         cfg, t0 = self.config, time.monotonic()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         bar = tqdm(total=round(cfg.timeout_s), desc=f"{cfg.engine} starting on {self.url}",
-                   unit="s", leave=False, bar_format="{desc}: {n:.0f}/{total} s")
+                   unit="s", leave=True, bar_format="{desc}: {n:.0f}/{total} s")
         with bar, httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), headers=headers) as http:
             while True:
                 code = self.proc.poll()
                 if code is not None:
+                    _end_bar(bar, ok=False)
                     raise self._exit_error(code, time.monotonic() - t0)
                 try:
                     if http.get(f"{self.url}/health").status_code == 200:
                         log.info("%s ready on %s after %.1f s", cfg.engine, self.url, time.monotonic() - t0)
+                        _end_bar(bar, ok=True)
                         return
                 except httpx.HTTPError:
                     pass  # not listening yet, or accepted but not answering (vLLM while loading)
                 elapsed = time.monotonic() - t0
                 if elapsed > cfg.timeout_s:
+                    _end_bar(bar, ok=False)
                     tail = self.log_tail(20)
                     self.stop()
                     raise ServerNotReady(
@@ -538,3 +541,16 @@ def stop_all() -> None:
 
 
 atexit.register(stop_all)
+
+
+def _end_bar(bar, ok: bool) -> None:
+    """End the start-up bar green on success, red on failure: tqdm.notebook paints a bar closed
+    short of its total red, one at its total green (the text bar just says what happened)."""
+    elapsed = round(bar.n)
+    if ok:
+        bar.bar_format = "{desc}: ready after {n:.0f} s"
+        bar.total = max(elapsed, 1)
+        bar.update(bar.total - bar.n)
+    else:
+        bar.bar_format = "{desc}: failed after {n:.0f} s"
+        bar.total = elapsed + 1

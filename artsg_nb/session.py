@@ -26,38 +26,36 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .engines import SamplingParams, ServerUnavailableError
+from .engines import SamplingParams
 from .evaluate import evaluate, history_fields
 from .export import export_adapter, export_merged
 from .fleet import Fleet, fleet_configs
 from .gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
-from .history import History
-from .lora import (AdapterMismatchError, AdapterPublisher, AdapterSaveError, MaskedScorer, load_version,
+from .history import History, step_row
+from .lora import (AdapterPublisher, AdapterSaveError, MaskedScorer, load_version,
                    probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic)
 from .metrics import HitRateTracker, cache_counters, hit_rate
 from .models import base_model_id, built_model_dir
+from .plots import LiveTraining, load_rollouts, plot_training
+from .procs import RunDirLock
+from .recovery import ServerLostError, ServerRecovery  # noqa: F401  (ServerLostError: public here too)
 from .retention import prune_adapters
 from .rollout import collect_groups, require_rewards
 from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, check_resumable,
                          config_record, resolve_release)
-from .procs import RunDirLock
 from .samples import constant_groups, read_samples, write_rollouts
-from .server import ServerConfig, ServerStartError, exit_status, start_server
+from .server import ServerConfig, start_server
 from .tasks import resolve_task
 from .tiny_model import default_model_dir, is_tiny_build
 from .trackers import Trackers
 from .trainer import CheckpointError, Trainer, TrainerConfig
 from .watchdog import HealthWatchdog
+from .widgets import Dashboard
 
 log = logging.getLogger(__name__)
 
 
-class ServerLostError(RuntimeError):
-    """The server died and the restart policy is off or exhausted (message: the cause, what to
-    do, the log tail). Completed steps stay in run_dir; continue with `resume=True`."""
-
-
-class GRPORun:
+class GRPORun(ServerRecovery):
     """One run: `start()`, then `await step()` per cell or `await run(n)`; `stop()` at the end."""
 
     def __init__(self, cfg: RunConfig):
@@ -72,6 +70,7 @@ class GRPORun:
         self._weights_version: str | None = None  # the adapter version holding the trainer's weights
         self.watchdog = HealthWatchdog(lambda: self.server, lambda: self.client, cfg.hang_timeout_s)
         self._lock = RunDirLock(self.run_dir)
+        self._dashboard: Dashboard | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> "GRPORun":
@@ -124,15 +123,31 @@ class GRPORun:
         tmp.replace(path)
 
     def stop(self) -> None:
-        """Stop the server (by process group), refresh the dashboard a last time, and release
-        run_dir's lock. Saved adapters and history stay in run_dir."""
+        """Stop the server (by process group), then the dashboard after one last refresh, so it
+        says "stopped"; release run_dir's lock. Saved adapters and history stay in run_dir."""
         try:
             if self.trackers is not None:
                 self.trackers.close()
             if self.server is not None:
                 self.server.stop()
+            if self._dashboard is not None:
+                self._dashboard.stop(reason="run stopped")
         finally:
             self._lock.release()
+
+    def dashboard(self, refresh_s: float | None = 2.0) -> Dashboard:
+        """Show the live dashboard of this run (GPUs, server, adapter, hit rate); it refreshes
+        after each step of `run()` and once more when the run stops."""
+        if self._dashboard is not None:
+            self._dashboard.stop(reason="replaced by a new dashboard")
+        self._dashboard = Dashboard(self.plan, self.server, self.tracker, refresh_s=refresh_s,
+                                    adapter_fn=lambda: self.adapter)
+        return self._dashboard.show()
+
+    def plot(self, theoretical_hit_rate: float | None = None):
+        """The training curves so far as a figure (the last line of a cell shows it)."""
+        return plot_training(self.history.df, theoretical_hit_rate=theoretical_hit_rate,
+                             samples=load_rollouts(self.run_dir) if (self.run_dir / "rollouts").is_dir() else None)
 
     def __enter__(self):
         return self.start()
@@ -183,7 +198,8 @@ class GRPORun:
         else:
             metrics, train_s, memory_s = await self._train(groups)
             version, reload_s, probe = await self._save_and_reload(groups)
-        row = self._row(step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe, memory_s)
+        row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
+                       memory_s, self.restarts)
         if self.cfg.eval_every and step % self.cfg.eval_every == 0:
             row.update(history_fields(await self.evaluate(n=self.cfg.eval_n)))
         if isinstance(self.server, Fleet):  # per-worker hit rate and load of this step's rollouts
@@ -206,12 +222,25 @@ class GRPORun:
         if self.cfg.verbose:
             print(self.history.format_row(row), flush=True)
 
-    async def run(self, n_steps: int, on_step=None) -> History:
-        """`n_steps` more steps; `on_step(row)` after each (e.g. a LivePlot update)."""
-        for _ in range(n_steps):
-            row = await self.step()
-            if on_step is not None:
-                on_step(row)
+    async def run(self, n_steps: int, on_step=None, live: bool = False) -> History:
+        """`n_steps` more steps; `on_step(row)` after each. With `live` the curves and an ETA bar
+        redraw in this cell's output after each step (plots.LiveTraining)."""
+        view = LiveTraining(n_steps, run_dir=self.run_dir) if live else None
+        try:
+            for _ in range(n_steps):
+                row = await self.step()
+                if view is not None:
+                    view.step_done(self.history.df)
+                if self._dashboard is not None:
+                    self._dashboard.refresh()
+                if on_step is not None:
+                    on_step(row)
+        except BaseException:
+            if view is not None:
+                view.finish(ok=False)
+            raise
+        if view is not None:
+            view.finish(ok=True)
         return self.history
 
     async def rollouts(self, seeds, schedule: str | None = None, flush_cache: bool = True) -> list:
@@ -309,17 +338,6 @@ class GRPORun:
         same step of a resumed run, samples exactly what the first attempt did."""
         return self.cfg.seed * 1_000_003 + step
 
-    async def _check_served(self) -> None:
-        """Roll out only under the adapter the trainer's weights are: the version this run published
-        last (a step without signal keeps it), held by the server (never the base model instead)."""
-        expected = self._weights_version
-        held = await self.client.list_adapters()
-        if self.adapter != expected or expected not in held:
-            raise AdapterMismatchError(
-                f"the trainer is at step {self.trainer.step} and expects rollouts from {expected}, but the "
-                f"server holds {sorted(held)}; no rollout was run. "
-                f"Continue with GRPORun(replace(cfg, resume=True)).start() (run_dir {self.run_dir}).")
-
     async def _rollouts(self, step: int):
         await self._check_served()
         before = cache_counters(await self.client.metrics_text(), self.tracker.engine)
@@ -367,57 +385,6 @@ class GRPORun:
         resume_s = await self._with_restarts(resume) if self.release else None
         return metrics, train_s, (release_s, resume_s)
 
-    async def _raise_if_server_lost(self, groups) -> None:
-        """Failed rollouts and a server that exited (or no longer answers /health) are a server
-        loss: the step is redone after a restart, never trained on the rollouts that survived."""
-        errors = [t.error for g in groups for t in g.trajectories if t.error]
-        if errors and not (self.server.alive() and await self.client.health()):
-            raise ServerUnavailableError(f"{len(errors)} rollouts failed and the server is gone: {errors[0]}")
-
-    async def _with_restarts(self, fn, *args):
-        while True:
-            try:
-                if not self.server.alive():
-                    raise ServerUnavailableError(f"{self.server.config.engine} server is not running")
-                return await fn(*args)
-            except ServerUnavailableError as e:
-                await self._restart_or_raise(e)
-
-    async def _restart_or_raise(self, err: Exception) -> None:
-        """Restart and republish; a server that dies again meanwhile takes the next restart."""
-        while True:
-            self._raise_if_exhausted(err)
-            try:
-                with self.watchdog.paused():
-                    await self._restart(err)
-                return
-            except (ServerUnavailableError, ServerStartError) as e:
-                err = e
-
-    def _raise_if_exhausted(self, err: Exception) -> None:
-        if self.restarts >= self.cfg.max_restarts and not self._dropped_dead_workers():
-            policy = ("automatic restarts are off (max_restarts=0)" if self.cfg.max_restarts == 0 else
-                      f"all {self.cfg.max_restarts} restarts allowed by max_restarts are used")
-            raise ServerLostError(
-                f"the {self.server.config.engine} server {exit_status(self.server)} ({err}) and {policy}. "
-                f"Completed steps (adapters, optimizer state, history) are saved in {self.run_dir}. Try: find "
-                "the cause in the log below, then continue with GRPORun(replace(cfg, resume=True)).start(), "
-                f"or allow more restarts with max_restarts. Last 20 lines of {self.server.log_path}:\n"
-                f"{self.server.log_tail(20)}") from err
-
-    async def _restart(self, err: Exception) -> None:
-        self.restarts += 1
-        log.warning("server lost (%s); restart %d/%d", err, self.restarts, self.cfg.max_restarts)
-        await self.client.aclose()
-        self.server.restart()
-        self.client = self.server.client()
-        self.publisher.client = self.client
-        await self.publisher.republish()
-
-    def _dropped_dead_workers(self) -> bool:
-        """Restarts exhausted with several servers: go on without the dead ones while any remain."""
-        return isinstance(self.server, Fleet) and self.server.drop_dead()
-
     async def _save_and_reload(self, groups):
         previous = self.publisher.current
         probe = probe_trajectory(groups)
@@ -447,30 +414,3 @@ class GRPORun:
                 sel(trainer_lp), sel(prev_lp) if prev_lp else None, tol)
             result = await self._with_restarts(verify)
         return version, reload_s, result
-
-    async def _publish(self, version) -> None:
-        """Load `version`, unless the republish after a restart already did (the server died
-        while unloading the version before it): adapter names cannot be loaded twice."""
-        if self.publisher.current is None or self.publisher.current.name != version.name:
-            await self.publisher.publish(version)
-        self._weights_version = version.name  # what the trainer's weights are, served
-
-    def _row(self, step, groups, metrics, hit_rate, rollout_s, train_s, reload_s, probe, memory_s) -> dict:
-        trajs = [t for g in groups for t in g.trajectories]
-        rewards = [t.reward for t in trajs if t.error is None and t.reward is not None]
-        mean = sum(rewards) / len(rewards) if rewards else float("nan")
-        std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
-        return {"step": step, "adapter": self.adapter, "reward_mean": mean, "reward_std": std,
-                "loss": metrics.get("loss"), "kl": metrics.get("kl"), "clip_frac": metrics.get("clip_frac"),
-                "is_ratio_mean": metrics.get("is_ratio_mean"), "is_ratio_min": metrics.get("is_ratio_min"),
-                "is_ratio_max": metrics.get("is_ratio_max"), "grad_norm": metrics.get("grad_norm"),
-                "tokens": metrics.get("tokens"), "completion_tokens": metrics.get("completion_tokens"),
-                "rollout_s": rollout_s, "train_s": train_s, "reload_s": reload_s, "hit_rate": hit_rate,
-                "release_s": memory_s[0], "resume_s": memory_s[1],
-                "zero_adv_groups": metrics.get("zero_adv_groups"), "groups": len(groups),
-                "update_skipped": bool(metrics.get("update_skipped")),
-                "failed_rollouts": sum(t.error is not None for t in trajs),
-                "reward_errors": sum(t.reward_error is not None for t in trajs),
-                "truncated": sum(bool(t.truncated) for t in trajs), "restarts": self.restarts,
-                "probe_mad": probe.get("probe_mad"), "probe_moved": probe.get("probe_moved"),
-                "time": time.time()}

@@ -1,16 +1,20 @@
 """The quickstart in a real browser: JupyterLab + headless Chromium, as a user would run it.
 
 Starts JupyterLab (the .venv's, 127.0.0.1, a free port, token auth) on a temporary copy of
-notebooks/, opens 01_quickstart.ipynb in Debian's Chromium driven by Playwright, runs the cells
-one by one (Shift+Enter) up to the first GRPO step, and checks that the ipywidgets dashboard
-rendered its CPU/GPU, engine and hit-rate rows. Saves test-artifacts/browser-quickstart.png.
-Then shuts the kernel down — the toolkit's atexit hook must stop the server it started — and
-stops JupyterLab by its process group.
+notebooks/ (the quickstart's parameters shrunk to 2 loop steps of 2 x 4 samples), opens
+01_quickstart.ipynb in Debian's Chromium driven by Playwright and runs every cell (Shift+Enter):
+the ipywidgets dashboard renders its CPU/GPU, engine and hit-rate rows and says "running"; the
+server's start-up bar ends green; the `run.run(n, live=True)` cell shows an image that changes
+from one step to the next under its progress bar, which ends "done"; the final plot cell shows a
+figure; after the stop cell the dashboard says "stopped" and the server process is gone.
+Screenshots go to test-artifacts/browser-quickstart-*.png. JupyterLab is stopped by its process
+group. A second test renders a fake 8 x H200 dashboard in Chromium (the columns must line up).
 
 Needs /usr/bin/chromium (`make browser-deps`); Playwright's own browsers are never installed.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,7 +31,8 @@ pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = "01_quickstart.ipynb"
-SCREENSHOT = ROOT / "test-artifacts" / "browser-quickstart.png"
+ARTIFACTS = ROOT / "test-artifacts"
+SMALL_RUN = {"GROUP_SIZE": 4, "GROUPS_PER_STEP": 2, "MORE_STEPS": 2}
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -35,6 +40,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 PAGE_CONFIG = {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
 LAB_START_TIMEOUT_S = 60
 CELLS_TIMEOUT_S = 180    # server start, trainer, one GRPO step on 2 shared cores
+RUN_TIMEOUT_S = 300      # the whole notebook: 4 small steps, the plot, the stop
 SERVER_STOP_TIMEOUT_S = 30
 
 
@@ -66,6 +72,7 @@ def lab(tmp_path):
     pytest.importorskip("playwright.sync_api")
     root = tmp_path / "lab"
     shutil.copytree(ROOT / "notebooks", root / "notebooks")  # RUN_DIR "../runs/..." lands in root/runs
+    shrink_parameters(root / "notebooks" / NOTEBOOK)
     config = tmp_path / "jupyter-config"
     (config / "labconfig").mkdir(parents=True)
     (config / "labconfig" / "page_config.json").write_text(json.dumps(PAGE_CONFIG))
@@ -85,6 +92,18 @@ def lab(tmp_path):
     finally:
         stop_group(proc)
         log.close()
+
+
+def shrink_parameters(path: Path) -> None:
+    """Set SMALL_RUN in the copy's parameters cell, so the whole notebook runs in about a minute."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    for name, value in SMALL_RUN.items():
+        cell.source, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", cell.source, flags=re.M)
+        assert n == 1, f"{name} is not set in the parameters cell of {path.name}"
+    nbformat.write(nb, path)
 
 
 def wait_for_lab(lab: Lab, log_path: Path) -> None:
@@ -112,12 +131,6 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 15) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def last_cell_to_run(path: Path) -> int:
-    """Index of the quickstart's first GRPO step cell: after it the dashboard shows a hit rate."""
-    cells = json.loads(path.read_text())["cells"]
-    return next(i for i, c in enumerate(cells) if "await run.step()" in "".join(c["source"]))
 
 
 def wait_kernel_idle(lab: Lab, timeout_s: float = 60) -> dict:
@@ -160,10 +173,22 @@ def process_is(pid: int, create_time: float) -> bool:
         return False
 
 
-def test_quickstart_dashboard_renders_in_chromium(lab):
+def cell_containing(page, text: str):
+    """The code cell whose source shows `text` (by content: JupyterLab may not render every cell)."""
+    return page.locator(".jp-Notebook .jp-CodeCell").filter(
+        has=page.locator(".jp-InputArea", has_text=text)).first
+
+
+def image_src(cell) -> str:
+    return cell.locator(".jp-OutputArea-output img").first.get_attribute("src") or ""
+
+
+def test_quickstart_runs_live_in_chromium(lab):
     from playwright.sync_api import sync_playwright
 
-    last = last_cell_to_run(lab.root / "notebooks" / NOTEBOOK)
+    path = lab.root / "notebooks" / NOTEBOOK
+    n_cells = len(json.loads(path.read_text())["cells"])
+    ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
@@ -171,35 +196,90 @@ def test_quickstart_dashboard_renders_in_chromium(lab):
             page.goto(f"{lab.url}/lab/tree/notebooks/{NOTEBOOK}?token={lab.token}")
             page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
             wait_kernel_idle(lab)
-            run_cells(page, last)
+            run_cells(page, n_cells - 1)  # queued: the kernel runs them one after another
             hit_rate = page.locator(".artsg-dashboard .artsg-hit-rate[data-value]")
             try:
                 hit_rate.wait_for(timeout=CELLS_TIMEOUT_S * 1000)
             except Exception:
                 pytest.fail(f"no hit-rate value in the dashboard after {CELLS_TIMEOUT_S} s; "
                             f"errors shown:\n{failed_cell_output(page)}")
-            wait_kernel_idle(lab, CELLS_TIMEOUT_S)
-
             dashboard = page.locator(".artsg-dashboard")
             assert dashboard.locator(".artsg-cpu-row, .artsg-gpu-row").count() >= 1
-            engine = dashboard.locator(".artsg-engine-row")
-            assert engine.count() == 1 and "running" in engine.inner_text()
+            assert "running" in dashboard.locator(".artsg-engine-row").inner_text()
             assert 0.0 <= float(hit_rate.get_attribute("data-value")) <= 1.0
-            assert page.locator(".jp-OutputArea-output img").count() >= 1, "the live training plot is missing"
-            # The dashboard cell at the top of the view, the first step's curves below it.
+            record = server_record(lab)  # read while it runs: the stop removes it
+
+            # The loop cell: its own image, redrawn after each step under the progress bar.
+            loop = cell_containing(page, "live=True")
+            frames = []
+            for done in (1, 2):
+                bar = loop.locator(f".artsg-progress[data-done='{done}']")
+                try:
+                    bar.wait_for(timeout=CELLS_TIMEOUT_S * 1000)
+                except Exception:
+                    page.screenshot(path=str(ARTIFACTS / "browser-quickstart-failed.png"), full_page=True)
+                    pytest.fail(f"the loop cell never showed step {done}; it holds:\n{loop.inner_html()[-3000:]}"
+                                f"\nerrors:\n{failed_cell_output(page)}")
+                frames.append(image_src(loop))
+                if done == 1:
+                    loop.screenshot(path=str(ARTIFACTS / "browser-quickstart-live.png"))
+            assert frames[0].startswith("data:image/png") and frames[0] != frames[1], \
+                "the live cell's image did not change between two steps"
+            loop.locator(".artsg-progress[data-state='done']").wait_for(timeout=CELLS_TIMEOUT_S * 1000)
+
+            # The stop cell ran last: the dashboard's final refresh says stopped.
+            status = dashboard.locator(".artsg-server-status")
+            deadline = time.monotonic() + RUN_TIMEOUT_S  # the widget re-renders: poll by locator
+            while "stopped" not in status.inner_text() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert "stopped" in status.inner_text(), \
+                f"the dashboard does not say stopped: {status.inner_text()!r}; errors:\n{failed_cell_output(page)}"
+            wait_kernel_idle(lab, RUN_TIMEOUT_S)
+            assert not failed_cell_output(page).strip() or "Traceback" not in failed_cell_output(page)
+            assert "run stopped" in dashboard.inner_text()
+            plot = cell_containing(page, "fig = run.plot()")
+            assert plot.locator(".jp-OutputArea-output img").count() == 1, "the final plot cell has no figure"
+            # tqdm.notebook bars (the server start) end green, never red after a success.
+            assert page.locator(".jp-OutputArea .progress-bar-danger").count() == 0
+            assert page.locator(".jp-OutputArea .progress-bar-success").count() >= 1
+
             page.locator(".jp-Cell", has=dashboard).evaluate("cell => cell.scrollIntoView({block: 'start'})")
             page.wait_for_timeout(300)
-            SCREENSHOT.parent.mkdir(exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT))
+            page.screenshot(path=str(ARTIFACTS / "browser-quickstart-stopped.png"))
+            loop.screenshot(path=str(ARTIFACTS / "browser-quickstart-loop-done.png"))
+            plot.screenshot(path=str(ARTIFACTS / "browser-quickstart-plot.png"))
         finally:
             browser.close()
 
-    record = server_record(lab)
-    assert process_is(record["pid"], record["create_time"]), "the server died before the kernel shut down"
-    for kernel in lab.api("kernels"):
-        lab.api(f"kernels/{kernel['id']}", method="DELETE")  # a graceful shutdown: atexit runs
-    deadline = time.monotonic() + SERVER_STOP_TIMEOUT_S
-    while process_is(record["pid"], record["create_time"]) and time.monotonic() < deadline:
-        time.sleep(0.5)
     assert not process_is(record["pid"], record["create_time"]), \
-        f"the cpu_engine server (pid {record['pid']}) outlived its kernel's shutdown"
+        f"the cpu_engine server (pid {record['pid']}) outlived run.stop()"
+
+
+def test_eight_h200_dashboard_lines_up_in_chromium():
+    """The GPU view of an 8 x H200 split (fake NVML readings over six refreshes) as Chromium
+    draws it: one aligned table, a sparkline per series. Saved for a look."""
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing; `make browser-deps` installs Debian's chromium")
+    pytest.importorskip("playwright.sync_api")
+    from playwright.sync_api import sync_playwright
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_widgets import eight_h200_dashboard
+
+    from artsg_nb import widgets
+
+    made = []
+    dashboard = eight_h200_dashboard(lambda *a, **kw: made.append(widgets.Dashboard(*a, **kw)) or made[-1])
+    html = f"<html><body>{widgets.render_html(dashboard.snapshot)}</body></html>"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1100, "height": 340})
+            page.set_content(html)
+            lefts = page.eval_on_selector_all(".artsg-gpu-mem", "els => els.map(e => e.getBoundingClientRect().left)")
+            assert len(lefts) == 8 and max(lefts) - min(lefts) < 1, f"memory columns do not line up: {lefts}"
+            assert page.locator("svg.artsg-spark polyline").count() >= 24
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "dashboard-8xh200.png"))
+        finally:
+            browser.close()

@@ -100,14 +100,32 @@ def fake_pynvml(devices: list[tuple[str, str, int, int]], fail: bool = False):
         nvmlDeviceGetCount=lambda: len(devices),
         nvmlDeviceGetHandleByIndex=lambda i: devices[i],
         nvmlDeviceGetName=lambda h: h[0].encode(), nvmlDeviceGetUUID=lambda h: h[1],
-        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=h[2] * 2**20, used=h[3] * 2**20))
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=h[2] * 2**20, used=h[3] * 2**20),
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=h[4] if len(h) > 4 else 0, memory=0),
+        nvmlDeviceGetPowerUsage=lambda h: h[5] if len(h) > 5 else _unsupported(),  # milliwatts
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000)
+
+
+def _unsupported():
+    raise FakeNVMLError("Not Supported")
 
 
 def test_list_gpus_reads_nvml(monkeypatch):
     monkeypatch.setattr(gpus, "pynvml", fake_pynvml([("H200", "GPU-aa", 1000, 10), ("H200", "GPU-bb", 1000, 20)]))
-    assert gpus.list_gpus() == [GpuInfo(0, "H200", "GPU-aa", 1000.0, 10.0), GpuInfo(1, "H200", "GPU-bb", 1000.0, 20.0)]
+    assert gpus.list_gpus() == [GpuInfo(0, "H200", "GPU-aa", 1000.0, 10.0, 0.0, None, 700.0),
+                                GpuInfo(1, "H200", "GPU-bb", 1000.0, 20.0, 0.0, None, 700.0)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bb")  # set before us (a shared host): respected
     assert [g.index for g in gpus.list_gpus()] == [1]
+
+
+def test_list_gpus_reads_utilisation_and_power_where_supported(monkeypatch):
+    """The dashboard's time series: utilisation %, power and its limit in watts; a reading the
+    GPU does not support (NVMLError_NotSupported) is None, not an error."""
+    monkeypatch.setattr(gpus, "pynvml", fake_pynvml([("H200", "GPU-aa", 1000, 10, 93, 654_321),
+                                                     ("H200", "GPU-bb", 1000, 20, 5)]))
+    first, second = gpus.list_gpus()
+    assert (first.util_pct, first.power_w, first.power_limit_w) == (93.0, 654.321, 700.0)
+    assert (second.util_pct, second.power_w) == (5.0, None)
 
 
 def test_no_driver_is_an_empty_list_and_require_gpu_explains(monkeypatch):

@@ -1,8 +1,12 @@
-"""The committed notebooks: clean, shaped as style.md asks, and exactly what the generator writes.
+"""The committed notebooks: clean (nbstripout --verify), shaped as style.md asks, parameters that
+the GPU branch never overwrites, and the quickstart's loop and final plot cells showing figures.
 
-Executing them is not done here: `make test` runs every notebook with nbmake
+The notebooks are the source contributors edit (in JupyterLab or any editor); `nbstripout`
+(pinned in environment-train.yml; `nbstripout --install` sets it up as a git filter) strips
+outputs before a commit. `make test` also runs every notebook with nbmake
 (`pytest --nbmake notebooks`), on the CPU engine without a GPU.
 """
+import ast
 import re
 import subprocess
 import sys
@@ -13,8 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
-GENERATOR = ROOT / "tools" / "make_notebooks.py"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+NBSTRIPOUT = Path(sys.executable).with_name("nbstripout")
 STOPS_SERVER = re.compile(r"\.stop\(\)|stop_all\(\)")
 
 
@@ -31,8 +35,8 @@ def test_the_three_notebooks_exist():
 def test_committed_without_outputs(path):
     dirty = [i for i, c in enumerate(read(path).cells)
              if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
-    assert not dirty, (f"{path.name}: cells {dirty} have outputs or execution counts; regenerate it with "
-                       f"`python tools/make_notebooks.py` instead of saving it from Jupyter")
+    assert not dirty, (f"{path.name}: cells {dirty} have outputs or execution counts; strip them with "
+                       f"`nbstripout {path.relative_to(ROOT)}` (or `nbstripout --install` once per clone)")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -52,10 +56,72 @@ def test_last_cell_stops_the_server(path):
         f"{path.name}: the last cell must stop the server; it is:\n{cells[-1].source}"
 
 
-def test_generator_reproduces_the_committed_notebooks(tmp_path):
-    subprocess.run([sys.executable, str(GENERATOR), str(tmp_path)], check=True, timeout=120)
-    generated = sorted(p.name for p in tmp_path.glob("*.ipynb"))
-    assert generated == [p.name for p in NOTEBOOKS], "notebooks/ and tools/make_notebooks.py disagree on which exist"
-    drifted = [name for name in generated if (tmp_path / name).read_bytes() != (NOTEBOOK_DIR / name).read_bytes()]
-    assert not drifted, (f"{drifted} differ from what tools/make_notebooks.py writes: edit the cells in the "
-                         f"script and run `python tools/make_notebooks.py`, then commit both")
+def test_nbstripout_would_change_nothing():
+    """What nbstripout keeps is what is committed: a notebook saved from JupyterLab and stripped
+    passes, one with outputs or stray metadata does not."""
+    out = subprocess.run([str(NBSTRIPOUT), "--verify", *map(str, NOTEBOOKS)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, f"run `nbstripout notebooks/*.ipynb` and commit:\n{out.stdout}{out.stderr}"
+
+
+def test_nbstripout_check_fails_on_a_saved_notebook(tmp_path):
+    nb = read(NOTEBOOKS[0])
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="hello")]
+    nb.cells[1].execution_count = 1
+    nbformat.write(nb, tmp_path / "saved.ipynb")
+    out = subprocess.run([str(NBSTRIPOUT), "--verify", str(tmp_path / "saved.ipynb")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_later_cells_fill_only_parameters_left_none(path):
+    """A GPU branch must never overwrite what the user or papermill set: after the parameters
+    cell a parameter is assigned only under `if NAME is None:`."""
+    cells = read(path).cells
+    names = {t.id for node in ast.parse(cells[1].source).body if isinstance(node, ast.Assign)
+             for t in node.targets if isinstance(t, ast.Name)}
+    for i, cell in enumerate(cells[2:], 2):
+        if cell.cell_type != "code":
+            continue
+        tree = ast.parse(re.sub(r"^\s*[%!].*$", "", cell.source, flags=re.M).replace("await ", ""))
+        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_none_test(node.test)
+                   for n in ast.walk(node) if n is not node.test}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AugAssign)) and id(node) not in guarded:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                hit = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)} & names
+                assert not hit, f"{path.name} cell {i} overwrites parameter(s) {hit}:\n{cell.source}"
+
+
+def _is_none_test(test) -> bool:
+    return (isinstance(test, ast.Compare) and isinstance(test.ops[0], ast.Is)
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None)
+
+
+@pytest.mark.slow
+def test_executed_quickstart_shows_figures_in_the_loop_and_plot_cells(tmp_path):
+    """papermill runs the quickstart (2 loop steps, small groups); the `run.run(n, live=True)` cell
+    and the final plot cell must each have an image output, the loop cell its progress bar."""
+    papermill = pytest.importorskip("papermill")
+    out = tmp_path / "quickstart.ipynb"
+    papermill.execute_notebook(str(NOTEBOOK_DIR / "01_quickstart.ipynb"), str(out), cwd=str(NOTEBOOK_DIR),
+                               parameters={"RUN_DIR": str(tmp_path / "run"), "GROUP_SIZE": 4,
+                                           "GROUPS_PER_STEP": 2, "MORE_STEPS": 2},
+                               kernel_name="python3", progress_bar=False)
+    cells = read(out).cells
+    assert "GROUP_SIZE = 4" in cells[2].source  # papermill's injected parameters
+
+    def cell_with(text):
+        return next(c for c in cells if c.cell_type == "code" and text in c.source)
+
+    def mimes(cell):
+        return [m for o in cell.outputs for m in o.get("data", {})]
+
+    loop = cell_with("live=True")
+    assert "image/png" in mimes(loop), f"no figure in the loop cell: {loop.outputs}"
+    bars = [o["data"]["text/html"] for o in loop.outputs if "text/html" in o.get("data", {})]
+    assert any('data-state="done"' in b and "step 2/2" in b for b in bars), bars
+    final = cell_with("fig = run.plot()")
+    assert "image/png" in mimes(final), f"no figure in the final plot cell: {final.outputs}"
+    assert (tmp_path / "run" / "training.png").exists()

@@ -1,5 +1,7 @@
 """Plots: every panel on real-looking, empty and NaN data; the grid; LivePlot; bench bars."""
 
+import json
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -73,9 +75,10 @@ def test_bands_and_theoretical_line():
 
 def test_plot_training_grid_and_reuse():
     fig = plots.plot_training(history_df(), theoretical_hit_rate=0.9)
-    assert isinstance(fig, Figure) and len(fig.axes) == 6
+    # 8 panels always, no KL (all NaN), the IS ratio because its band reaches 0.9-1.2
+    assert isinstance(fig, Figure) and len(fig.axes) == 9
     assert plots.plot_training(pd.DataFrame(), fig=fig) is fig
-    assert len(fig.axes) == 6  # cleared, not stacked
+    assert len(fig.axes) == 8  # cleared, not stacked
 
 
 def test_save_training_plot(tmp_path):
@@ -91,7 +94,7 @@ def test_liveplot_outside_ipython_writes_png(tmp_path):
     live.update(history_df(4))
     assert (tmp_path / "live.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "live.png").stat().st_mtime_ns >= first
-    assert len(live.fig.axes) == 6
+    assert len(live.fig.axes) == 9
 
 
 def test_liveplot_in_notebook_uses_one_display_handle(monkeypatch):
@@ -168,7 +171,135 @@ def test_hit_rate_panel_draws_a_line_per_worker():
     df = history_df(3)
     df["worker_hit_rates"] = [[0.7, 0.8], [0.75, None], [0.72, 0.81]]  # a step where worker 1 got nothing
     ax = plots.plot_hit_rate(df)
-    labels = [line.get_label() for line in ax.get_lines()]
-    assert labels == ["all workers", "worker 0", "worker 1"]
-    assert np.isnan(ax.get_lines()[2].get_ydata()[1]) and ax.get_lines()[1].get_ydata()[2] == 0.72
-    assert [line.get_label() for line in plots.plot_hit_rate(history_df(3)).get_lines()] == ["_child0"]
+    workers = [line for line in ax.get_lines() if line.get_label().startswith("worker")]
+    assert [line.get_label() for line in workers] == ["worker 0", "worker 1"]
+    assert np.isnan(workers[1].get_ydata()[1]) and workers[0].get_ydata()[2] == 0.72
+    plain = plots.plot_hit_rate(history_df(3)).get_lines()
+    assert not [line for line in plain if line.get_label().startswith("worker")]
+
+
+def titles(fig):
+    return [ax.get_title() for ax in fig.axes]
+
+
+def test_panels_that_say_nothing_leave_the_grid():
+    flat = history_df().assign(is_ratio_min=0.999, is_ratio_max=1.001)  # on-policy, beta = 0
+    fig = plots.plot_training(flat)
+    assert "KL" not in titles(fig) and "IS ratio (trainer / server)" not in titles(fig)
+    assert "no KL term" in fig._suptitle.get_text() and "IS ratio within" in fig._suptitle.get_text()
+    fig = plots.plot_training(flat.assign(kl=0.01 * np.arange(5)))  # beta > 0: KL has values
+    assert "KL" in titles(fig)
+    assert "clip fraction" not in titles(plots.plot_training(flat.assign(clip_frac=0.0)))  # never clipped
+    assert "nothing clipped" in plots.plot_training(flat.assign(clip_frac=0.0))._suptitle.get_text()
+    for wanted in ("completion length", "generation throughput", "step time", "clip fraction",
+                   "grad norm", "prefix-cache hit rate per step"):
+        assert wanted in titles(fig)
+
+
+def full_history(steps=4):
+    return history_df(steps).assign(completion_tokens=[640.0, 600, 520, 480], samples=64,
+                                    rollout_s=[4.0, 4, 3, 3], train_s=2.0, clip_frac=0.1, grad_norm=0.5,
+                                    eval_reward=[np.nan, 0.3, np.nan, 0.6])
+
+
+def test_derived_panels_compute_length_throughput_and_stack_times():
+    df = full_history()
+    line = plots.plot_completion_length(df).lines[0]
+    assert list(line.get_ydata()) == [10.0, 9.375, 8.125, 7.5]  # completion_tokens / samples
+    assert list(plots.plot_tokens_per_s(df).lines[0].get_ydata()) == [160.0, 150.0, 520 / 3, 160.0]
+    ax = plots.plot_step_times(df)
+    tops = sorted({round(p.get_y() + p.get_height(), 6) for p in ax.patches})
+    assert tops[-1] == 4.0 + 2.0 + 0.04  # rollout + train + reload stacked
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["rollout", "train", "reload"]
+
+
+def test_reward_shows_eval_and_per_sample_boxes(tmp_path):
+    df = full_history()
+    ax = plots.plot_reward(df)
+    assert "eval" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.collections  # ± std band without samples
+    write_rollouts(tmp_path, steps=(1, 2))
+    samples = plots.load_rollouts(tmp_path)
+    assert len(samples) == 8 and set(samples["step"]) == {1, 2}
+    ax = plots.plot_reward(df, samples=samples)
+    assert len(ax.patches) == 2  # one box per step that has samples
+
+
+def write_rollouts(run_dir, steps=(1,)):
+    folder = run_dir / "rollouts"
+    folder.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        rows = [{"step": step, "group_seed": 7, "reward": r, "prompt": "What is 2 + 3?",
+                 "completion": "5" if r else "The sum is 5." + " long" * 60, "finish_reason": "stop",
+                 "prompt_tokens": 12, "completion_tokens": 2 + 10 * (r == 0)} for r in (1.0, 0.0, 1.0, 0.5)]
+        (folder / f"step-{step}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{cut off")
+
+
+def test_sample_table_shows_a_steps_completions(tmp_path):
+    write_rollouts(tmp_path, steps=(1, 2))
+    styler = plots.sample_table(tmp_path, n=3)
+    table = styler.data
+    assert list(table.columns) == ["seed", "reward", "finish", "tokens", "prompt", "completion"]
+    assert len(table) == 3 and list(table["reward"]) == [1.0, 1.0, 0.5]  # best first, n of them
+    html = styler.to_html()
+    assert "step 2" in html and "What is 2 + 3?" in html
+    assert all(len(c) <= 160 for c in plots.sample_table(tmp_path, step=1).data["completion"])
+    with pytest.raises(FileNotFoundError, match="steps recorded"):
+        plots.sample_table(tmp_path, step=9)
+    with pytest.raises(FileNotFoundError, match="did not record"):
+        plots.sample_table(tmp_path / "elsewhere")
+
+
+def test_compare_runs_draws_each_run_in_each_panel(tmp_path):
+    for name, shift in (("a", 0.0), ("b", 0.2)):
+        (tmp_path / name).mkdir()
+        rows = full_history().assign(reward_mean=lambda d: d["reward_mean"] + shift).to_dict("records")
+        (tmp_path / name / "history.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    fig = plots.compare_runs([tmp_path / "a", tmp_path / "b"])
+    reward = fig.axes[0]
+    assert [line.get_label() for line in reward.lines] == ["a", "b"]
+    assert reward.lines[1].get_ydata()[0] - reward.lines[0].get_ydata()[0] == pytest.approx(0.2)
+    assert all(len(ax.lines) == 2 for ax in fig.axes)
+    import artsg_nb as ag
+    assert ag.compare_runs is plots.compare_runs and plt.get_fignums() == []
+    with pytest.raises(ValueError, match="labels"):
+        plots.compare_runs([tmp_path / "a"], labels=["x", "y"])
+
+
+def test_live_training_bar_runs_blue_then_green_or_red(monkeypatch):
+    shown = []
+
+    class Handle:
+        def update(self, obj):
+            shown.append(obj)
+
+    def fake_display(obj, display_id=False):
+        shown.append(obj)
+        return Handle()
+
+    import IPython.display
+    monkeypatch.setattr("artsg_nb.widgets.in_jupyter", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", fake_display)
+    live = plots.LiveTraining(2)
+    live.step_done(history_df(1))
+    bars = [o.data for o in shown if isinstance(o, IPython.display.HTML)]
+    assert 'data-state="running"' in bars[-1] and "step 1/2" in bars[-1] and "ETA" in bars[-1]
+    live.step_done(history_df(2))
+    live.finish(ok=True)
+    assert 'data-state="done"' in shown[-1].data and "#2a2" in shown[-1].data  # green
+    images = [o for o in shown if isinstance(o, IPython.display.Image)]
+    assert len(images) == 3 and images[1].data != images[2].data  # empty grid, step 1, step 2
+    failed = plots.LiveTraining(3)
+    failed.finish(ok=False)
+    assert 'data-state="failed"' in shown[-1].data and "#c22" in shown[-1].data  # red
+
+
+def test_a_run_without_rollouts_files_falls_back_to_the_history(tmp_path):
+    """LivePlot(run_dir=...) of a run that wrote no rollouts/ draws mean ± std, no boxes."""
+    empty = plots.load_rollouts(tmp_path)
+    assert len(empty) == 0
+    df = full_history()
+    assert plots.plot_completion_length(df, samples=empty).lines
+    live = plots.LivePlot(path=tmp_path / "live.png", run_dir=tmp_path, dpi=30)
+    live.update(df)
+    assert (tmp_path / "live.png").exists()

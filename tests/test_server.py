@@ -470,3 +470,18 @@ def test_real_sglang_orphan_reaped_then_start_stop(tmp_path):
     while _gpu0_used_gib() > 5 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _gpu0_used_gib() < 5, "GPU memory not released after stop"
+
+
+@pytest.mark.parametrize("ok, style", [(True, "success"), (False, "danger")])
+def test_start_bar_ends_green_on_success_and_red_on_failure(ok, style, capsys):
+    """tqdm.notebook paints a bar closed short of its total red: a server ready after 9 of
+    120 s must not look failed, and a failure must never look done."""
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    from artsg_nb.server import _end_bar
+
+    bar = notebook_tqdm(total=120, bar_format="{desc}: {n:.0f}/{total} s")
+    bar.update(9)
+    _end_bar(bar, ok=ok)
+    bar.close()
+    assert bar.container.children[1].bar_style == style

@@ -85,7 +85,8 @@ def test_text_on_cpu_plan(dashboards):
                       gpu_reader=lambda: pytest.fail("no GPU reads on CPU")).render_text()
     assert "CPU engine" in text and "GPU 0" not in text
     assert "server  cpu  http://127.0.0.1:31000  running  adapter policy-step-3" in text
-    assert "cumulative 0.71 · last step 0.88 · trend ▅▆▇" in text
+    # the trend is scaled to its own range (0.50-0.88), said in numbers beside it
+    assert "cumulative 0.71 · last step 0.88 · trend ▁▆█ (0.50–0.88 over 3 steps)" in text
 
 
 def test_text_on_split_plan_with_fake_memory(dashboards):
@@ -207,4 +208,55 @@ def test_with_the_real_hit_rate_tracker(dashboards):
     for prompt, cached in ((0, 0), (100, 50), (200, 140), (400, 320)):
         tracker.add_counters(CacheCounters(prompt_tokens=prompt, cached_tokens=cached))
     text = dashboards(cpu_plan(), tracker=tracker).render_text()
-    assert "cumulative 0.80 · last step 0.90 · trend ▅▇▇" in text
+    assert "cumulative 0.80 · last step 0.90 · trend ▁██ (0.50–0.90 over 3 steps)" in text
+
+
+def eight_h200_readings(tick):
+    """An 8 x H200 split as NVML would report it at refresh `tick`: the server GPU busy in bursts,
+    the trainers busy between them, each with its power draw."""
+    readings = []
+    for i in range(8):
+        busy = (tick % 3 == 0) == (i == 0)
+        readings.append(GpuInfo(index=i, name="NVIDIA H200", uuid=f"GPU-{i}", mem_total_mib=140 * GIB,
+                                mem_used_mib=(120 if i == 0 else 60 + 5 * i) * GIB, util_pct=95.0 if busy else 7.0,
+                                power_w=650.0 if busy else 120.0, power_limit_w=700.0))
+    return readings
+
+
+def eight_h200_dashboard(dashboards, ticks=6):
+    plan = GpuPlan(mode="split", server_gpus=(0,), trainer_gpus=tuple(range(1, 8)))
+    tick = iter(range(ticks))
+    dashboard = dashboards(plan, FakeServer(), FakeTracker(), refresh_s=None,
+                           gpu_reader=lambda: eight_h200_readings(next(tick)))
+    for _ in range(ticks):
+        dashboard.refresh()
+    return dashboard
+
+
+def test_gpu_view_samples_utilisation_memory_and_power_over_time(dashboards):
+    dashboard = eight_h200_dashboard(dashboards)
+    rows = dashboard.snapshot.gpus
+    assert [r.role for r in rows] == ["server"] + ["trainer"] * 7
+    assert [len(r.series) for r in rows] == [6] * 8  # one sample per refresh
+    assert [u for _, u, _, _ in rows[0].series] == [95.0, 7.0, 7.0, 95.0, 7.0, 7.0]
+    html = widgets.render_html(dashboard.snapshot)
+    assert html.count('<tr class="artsg-gpu-row"') == 8  # one table: the columns line up
+    assert html.count("<polyline") >= 8 * 3  # utilisation, memory and power over time per GPU
+    assert "650 / 700 W" in html or "120 / 700 W" in html
+    text = widgets.snapshot_text(dashboard.snapshot)
+    lines = [line for line in text.splitlines() if line.startswith("GPU ")]
+    assert len(lines) == 8 and len({line.index("mem ") for line in lines}) == 1  # aligned
+    assert "util   7%" in lines[0] and "W" in lines[0]
+
+
+def test_gpu_view_without_utilisation_or_power_says_so(dashboards):
+    text = dashboards(split_plan(), gpu_reader=two_gpus, refresh_s=None).render_text()
+    assert "util    —" in text and "power —" in text
+
+
+def test_hit_rate_trend_is_scaled_to_its_own_range():
+    """0.86-0.88 on a 0-1 scale was one solid block; on its own range it has a shape."""
+    low, high = widgets.trend_range([0.86, 0.88, 0.87])
+    assert (low, high) == pytest.approx((0.86, 0.88))
+    assert sparkline([0.86, 0.88, 0.87], low, high) == "▁█▅"
+    assert widgets.trend_range([0.5, 0.5]) == pytest.approx((0.49, 0.51))  # flat: a minimum span

@@ -32,6 +32,7 @@ import IPython.display
 from matplotlib.ticker import MaxNLocator
 
 from . import widgets
+from .step_plots import plot_step_benchmark  # noqa: F401  (re-exported: plots.plot_step_benchmark)
 
 logger = logging.getLogger(__name__)
 

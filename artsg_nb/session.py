@@ -34,7 +34,7 @@ from .history import History
 from .lora import AdapterPublisher, AdapterSaveError, adapter_name, load_version, probe_served_adapter, save_adapter_atomic
 from .metrics import HitRateTracker, cache_counters, hit_rate
 from .rollout import collect_groups
-from .run_config import CONFIG_FILE, RunConfig, check_resumable, config_record
+from .run_config import CONFIG_FILE, RunConfig, check_resumable, config_record, resolve_schedule
 from .server import ServerConfig, start_server
 from .server_env import server_args
 from .tasks import get_task
@@ -217,7 +217,8 @@ class GRPORun:
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
                                 temperature=cfg.temperature)
         return await collect_groups(self.client, self.task, self.trainer.tokenizer, seeds, cfg.group_size,
-                                    params, adapter=self.adapter, concurrency=cfg.concurrency, schedule=schedule,
+                                    params, adapter=self.adapter, concurrency=cfg.concurrency,
+                                    schedule=resolve_schedule(schedule, self.task.max_turns),
                                     max_seq_tokens=cfg.max_seq_tokens, sampling_seed_base=sampling_seed_base)
 
     async def _train(self, groups) -> tuple[dict, float, tuple]:

@@ -1,7 +1,7 @@
 """A GRPO run as a notebook drives it: start, step, step, ..., stop.
 
 What it does: plans the GPUs, starts the inference server kernel-side (SGLang, vLLM or the CPU
-engine), builds the trainer, and runs GRPO steps — rollouts from the server under the current
+engine) while the trainer loads (a thread waits for the server), and runs GRPO steps — rollouts from the server under the current
 adapter, one update, the new adapter saved atomically and hot-reloaded under `policy-step-N`,
 one history row. If the server dies mid-step it is restarted (bounded by `max_restarts`), the
 newest adapter reloaded, and the step's rollouts redone with the same sampling seeds; completed
@@ -25,6 +25,7 @@ import logging
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -74,9 +75,9 @@ class GRPORun:
             require_gpu()
         apply_to_kernel(self.plan)
         model_path = cfg.model_path or str(default_model_dir())
-        self.server = self._start_server(engine, model_path)
+        self.server, self.trainer = _in_parallel(lambda: self._start_server(engine, model_path),
+                                                 lambda: self._make_trainer(model_path))
         self.client = self.server.client()
-        self.trainer = self._make_trainer(model_path)
         self.tracker = HitRateTracker(engine=engine)
         self.history = History.load(self.run_dir) if cfg.resume else History(self.run_dir)
         self.publisher = AdapterPublisher(self.client, self.run_dir)
@@ -348,6 +349,23 @@ def _probe_trajectory(groups):
             if t.error is None and sum(t.completion_mask) > 0:
                 return t
     return None
+
+
+def _in_parallel(start_server, make_trainer):
+    """(server, trainer): the server starts (launch, then /health) in a thread while the trainer
+    loads here, so start-up costs the longer of the two, not their sum. If the trainer fails,
+    the server is stopped once its start returns; if the server fails, its error is raised."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-server-start") as pool:
+        started = pool.submit(start_server)
+        try:
+            trainer = make_trainer()
+        except BaseException:
+            try:
+                started.result().stop()
+            except BaseException as e:  # the trainer's error is the one to report
+                log.error("the server did not start either: %s", e)
+            raise
+        return started.result(), trainer
 
 
 def _resolve_release(cfg: RunConfig, mode: str) -> bool:

@@ -93,12 +93,13 @@ class StepBenchConfig:
     """Seeds prompts, sampling and LoRA initialisation."""
     schedule: str | None = None
     """artsg_nb's rollout schedule; None: RunConfig's default."""
-    pipeline: bool = False
-    """artsg_nb with one-step-off-policy overlap (RunConfig.pipeline)."""
     verify_adapter: bool = False
     """artsg_nb's served-adapter probe after each reload (a check, not part of GRPO: off)."""
     api_key: str | None = None
     """Sent to artsg_nb's server."""
+    isolate: bool = True
+    """Each leg in its own process (Unsloth patches transformers; GPU memory is given back).
+    False runs them here, one after the other (fine on CPU: the tests do)."""
     run_dir: str = "runs/bench-step"
     """Scratch directory for run directories and TRL output."""
     out: str | None = None
@@ -143,8 +144,6 @@ async def artsg_leg(cfg: StepBenchConfig, max_new: int) -> dict:
                    api_key=cfg.api_key, verbose=False)
     if cfg.schedule:
         rc = replace(rc, schedule=cfg.schedule)
-    if cfg.pipeline:
-        rc = replace(rc, pipeline=True)
     run = GRPORun(rc).start()
     step_s, rows = [], []
     try:
@@ -292,7 +291,8 @@ def _leg_in_subprocess(cfg: StepBenchConfig, framework: str, max_new: int) -> di
 
 def run_step_bench(cfg: StepBenchConfig) -> pd.DataFrame:
     """Every framework x max_new_tokens leg, each in its own process; the frame, saved to CSV."""
-    rows = [_leg_in_subprocess(cfg, fw, m) for m in cfg.max_new_tokens for fw in cfg.frameworks]
+    leg = _leg_in_subprocess if cfg.isolate else run_leg
+    rows = [leg(cfg, fw, m) for m in cfg.max_new_tokens for fw in cfg.frameworks]
     df = pd.DataFrame(rows).reindex(columns=COLUMNS)
     path = Path(cfg.out) if cfg.out else default_path(df, cfg.results_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -331,7 +331,6 @@ def parse_args(argv: Sequence[str]) -> tuple[StepBenchConfig, argparse.Namespace
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--schedule")
-    p.add_argument("--pipeline", action="store_true")
     p.add_argument("--verify-adapter", action="store_true")
     p.add_argument("--api-key")
     p.add_argument("--run-dir", default="runs/bench-step")
@@ -343,7 +342,7 @@ def parse_args(argv: Sequence[str]) -> tuple[StepBenchConfig, argparse.Namespace
     cfg = StepBenchConfig(frameworks=tuple(f.strip() for f in a.frameworks.split(",")), engine=a.engine,
                           model_path=a.model_path, max_new_tokens=tuple(int(m) for m in a.max_new_tokens.split(",")),
                           steps=a.steps, warmup=a.warmup, groups=a.groups, group_size=a.group_size,
-                          learning_rate=a.lr, schedule=a.schedule, pipeline=a.pipeline,
+                          learning_rate=a.lr, schedule=a.schedule,
                           verify_adapter=a.verify_adapter, api_key=a.api_key, run_dir=a.run_dir, out=a.out)
     return cfg, a
 

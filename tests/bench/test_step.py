@@ -64,7 +64,7 @@ def test_ratios_and_default_path(tmp_path):
 def test_cpu_step_bench_both_frameworks(tmp_path, tiny_model_dir):
     out = tmp_path / "step.csv"
     cfg = step.StepBenchConfig(engine="cpu", model_path=str(tiny_model_dir), max_new_tokens=(8,), steps=2,
-                               groups=2, group_size=2, run_dir=str(tmp_path / "runs"), out=str(out))
+                               groups=2, group_size=2, run_dir=str(tmp_path / "runs"), out=str(out), isolate=False)
     df = step.run_step_bench(cfg)
     saved = pd.read_csv(out)
     assert list(saved.columns) == step.COLUMNS

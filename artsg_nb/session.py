@@ -354,16 +354,17 @@ def _probe_trajectory(groups):
 def _in_parallel(start_server, make_trainer):
     """(server, trainer): the server starts (launch, then /health) in a thread while the trainer
     loads here, so start-up costs the longer of the two, not their sum. If the trainer fails,
-    the server is stopped once its start returns; if the server fails, its error is raised."""
+    the server is stopped once its start returns. When both fail the server's error is raised
+    (it checks the model path and shows the log tail: the message written for the user)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-server-start") as pool:
         started = pool.submit(start_server)
         try:
             trainer = make_trainer()
-        except BaseException:
-            try:
-                started.result().stop()
-            except BaseException as e:  # the trainer's error is the one to report
-                log.error("the server did not start either: %s", e)
+        except BaseException as trainer_error:
+            server_error = started.exception()
+            if server_error is not None:
+                raise server_error from trainer_error
+            started.result().stop()
             raise
         return started.result(), trainer
 

@@ -58,8 +58,10 @@ class RunConfig:
     """LoRA alpha."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """Loss variant, clipping, KL and IS correction."""
-    schedule: str = "prefix"
-    """Rollout submission: "prefix" (group leader first), "naive" or "n" (see rollout.py)."""
+    schedule: str = "auto"
+    """Rollout submission (see rollout.py): "auto" (`resolve_schedule`: "n" for single-turn tasks,
+    "prefix" for multi-turn), "prefix" (group leader first), "naive", "n", ... Every schedule
+    draws the same samples (rollout.py, "Seeds"), so it may change on resume."""
     concurrency: int = 64
     """Requests in flight at once."""
     max_seq_tokens: int = 2048
@@ -123,9 +125,20 @@ class RunConfig:
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
 _OPERATIONAL = frozenset({"resume", "verbose", "max_restarts", "hang_timeout_s", "verify_adapter", "concurrency",
-                          "api_key", "server_args", "release_memory", "release_tags", "run_dir",
+                          "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to"})
 """Fields that change how a run is operated, not what it computes: a resumed run may change them."""
+
+
+def resolve_schedule(schedule: str, max_turns: int) -> str:
+    """The submission schedule a run uses: "auto" is "n" (one n=G request per group: the shared
+    prompt is prefilled once, no streaming, no leader/follower round trip; fastest on SGLang,
+    vLLM and the CPU engine at the same hit rate, benchmarks/results/20261203-0525-*.csv) for
+    single-turn tasks, "prefix" for multi-turn ones (later turns extend each episode's own
+    history); any other value is used as given."""
+    if schedule != "auto":
+        return schedule
+    return "n" if max_turns == 1 else "prefix"
 
 
 class ConfigMismatchError(ValueError):

@@ -1,7 +1,7 @@
 """A GRPO run as a notebook drives it: start, step, step, ..., stop.
 
 What it does: plans the GPUs, starts the inference server kernel-side (SGLang, vLLM or the CPU
-engine), builds the trainer, and runs GRPO steps — rollouts from the server under the current
+engine) while the trainer loads (a thread waits for the server), and runs GRPO steps — rollouts from the server under the current
 adapter, one update, the new adapter saved atomically and hot-reloaded under `policy-step-N`,
 one history row. If the server dies mid-step it is restarted (bounded by `max_restarts`), the
 newest adapter reloaded, and the step's rollouts redone with the same sampling seeds; completed
@@ -42,9 +42,9 @@ from .recovery import ServerLostError, ServerRecovery  # noqa: F401  (ServerLost
 from .retention import prune_adapters
 from .rollout import collect_groups, require_rewards
 from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, check_resumable,
-                         config_record, resolve_release)
+                         config_record, resolve_release, resolve_schedule)
 from .samples import constant_groups, read_samples, write_rollouts
-from .server import ServerConfig, start_server
+from .server import ServerConfig, start_server, start_while
 from .tasks import resolve_task
 from .tiny_model import default_model_dir, is_tiny_build
 from .trackers import Trackers
@@ -98,9 +98,9 @@ class GRPORun(ServerRecovery):
         # A registered real model's name (models.py) → its offline build; a directory or hub id as is.
         model_path = built_model_dir(cfg.model_path) if cfg.model_path else str(default_model_dir())
         self.model_path = base_model_id(cfg.model_path) if cfg.model_path else model_path
-        self.server = self._start_server(engine, model_path)
+        self.server, self.trainer = start_while(lambda: self._start_server(engine, model_path),
+                                                lambda: self._make_trainer(model_path))
         self.client = self.server.client()
-        self.trainer = self._make_trainer(model_path)
         self.tracker = HitRateTracker(engine=engine)
         self.history = History.load(self.run_dir) if cfg.resume else History(self.run_dir)
         self.publisher = AdapterPublisher(self.client, self.run_dir)
@@ -353,7 +353,8 @@ class GRPORun(ServerRecovery):
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens or self.task.max_new_tokens,
                                 temperature=cfg.temperature)
         return await collect_groups(self.client, self.task, self.trainer.tokenizer, seeds, cfg.group_size,
-                                    params, adapter=self.adapter, concurrency=cfg.concurrency, schedule=schedule,
+                                    params, adapter=self.adapter, concurrency=cfg.concurrency,
+                                    schedule=resolve_schedule(schedule, self.task.max_turns),
                                     max_seq_tokens=cfg.max_seq_tokens, sampling_seed_base=sampling_seed_base)
 
     async def _train(self, groups) -> tuple[dict, float, tuple]:

@@ -303,3 +303,37 @@ def test_a_run_without_rollouts_files_falls_back_to_the_history(tmp_path):
     live = plots.LivePlot(path=tmp_path / "live.png", run_dir=tmp_path, dpi=30)
     live.update(df)
     assert (tmp_path / "live.png").exists()
+
+
+def step_df():
+    row = dict(model="tiny", steps=4, tokens_per_step=300.0, reward_first=0.4, reward_last=0.5, hardware="cpu x2",
+               date="2026-12-03")
+    return pd.DataFrame([
+        {**row, "framework": "artsg_nb", "engine": "cpu", "max_new_tokens": 8, "step_s_median": 1.0,
+         "rollout_s_median": 0.5, "train_s_median": 0.3, "reload_s_median": 0.15},
+        {**row, "framework": "trl", "engine": "transformers", "max_new_tokens": 8, "step_s_median": 1.1,
+         "rollout_s_median": 0.6, "train_s_median": 0.5, "reload_s_median": 0.0},
+        {**row, "framework": "artsg_nb", "engine": "cpu", "max_new_tokens": 256, "step_s_median": 5.0,
+         "rollout_s_median": 3.0, "train_s_median": 1.4, "reload_s_median": 0.26},
+        {**row, "framework": "trl", "engine": "transformers", "max_new_tokens": 256, "step_s_median": 17.0,
+         "rollout_s_median": 15.0, "train_s_median": 2.0, "reload_s_median": float("nan")}])
+
+
+def test_plot_step_benchmark_stacks_phases_per_framework_and_job():
+    plt.close("all")
+    fig = plots.plot_step_benchmark(step_df())
+    assert plt.get_fignums() == []
+    ax = fig.axes[0]
+    assert len(ax.patches) == 2 * 2 * 3  # 2 frameworks x 2 jobs x (rollout, train, reload)
+    heights = sorted(round(p.get_height(), 3) for p in ax.patches)
+    assert 15.0 in heights and 0.15 in heights  # the NaN reload is a zero-height segment, not an error
+    tops = {round(p.get_y() + p.get_height(), 3) for p in ax.patches}
+    assert {0.95, 1.1, 4.66, 17.0} <= tops  # segments stack: rollout + train + reload
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8 new tokens", "256 new tokens"]
+    assert any("trl\n17.00 s" == t.get_text() for t in ax.texts)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["rollout", "train", "reload"]
+
+
+def test_plot_step_benchmark_empty():
+    fig = plots.plot_step_benchmark(pd.DataFrame())
+    assert [t.get_text() for t in fig.axes[0].texts] == ["no data"]

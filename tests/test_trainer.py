@@ -97,3 +97,36 @@ def test_no_valid_trajectory_is_a_clear_error(make_trainer):
         t.error = "boom"
     with pytest.raises(ValueError, match="no valid trajectory"):
         make_trainer().train_step(g)
+
+
+def test_packed_and_padded_give_the_same_loss_and_gradients(make_trainer):
+    for loss_type in ("grpo", "dapo"):
+        padded = make_trainer(grpo={"loss_type": loss_type}, packing=False, micro_batch_tokens=40)
+        packed = make_trainer(grpo={"loss_type": loss_type}, packing=True, micro_batch_tokens=40)
+        assert packed.packing and not padded.packing
+        for tr in (padded, packed):
+            tr.optimizer = torch.optim.SGD([p for p in tr.model.parameters() if p.requires_grad], lr=1.0)
+        batch = padded.make_batch(_groups())
+        lp_pad = padded.score(batch.input_ids, batch.attention_mask)
+        lp_pack = packed.score_packed(batch.input_ids, batch.attention_mask)
+        valid = (batch.attention_mask[:, 1:] * batch.attention_mask[:, :-1]).bool()
+        torch.testing.assert_close(lp_pack[valid], lp_pad[valid], rtol=1e-4, atol=1e-5)
+        assert (lp_pack[~valid] == 0).all()
+        m_pad, m_pack = padded.train_step(_groups()), packed.train_step(_groups())
+        assert m_pad["loss"] == pytest.approx(m_pack["loss"], rel=1e-4, abs=1e-6)
+        for (n, p), (_, q) in zip(padded.model.named_parameters(), packed.model.named_parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=f"{loss_type}: {n}")
+
+
+def test_save_adapter_writes_what_save_pretrained_writes(make_trainer, tmp_path):
+    import json
+    from safetensors.torch import load_file
+    tr = make_trainer()
+    tr.train_step(_groups())
+    tr.save_adapter(tmp_path / "fast")
+    tr.model.save_pretrained(str(tmp_path / "peft"), safe_serialization=True)
+    fast, ref = load_file(tmp_path / "fast/adapter_model.safetensors"), load_file(tmp_path / "peft/adapter_model.safetensors")
+    assert fast.keys() == ref.keys() and all(torch.equal(fast[k], ref[k]) for k in ref)
+    assert (json.loads((tmp_path / "fast/adapter_config.json").read_text())
+            == json.loads((tmp_path / "peft/adapter_config.json").read_text()))
+    assert tr.model.peft_config["default"].inference_mode is False  # training mode restored

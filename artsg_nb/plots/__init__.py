@@ -15,9 +15,10 @@ from .panels import (plot_clip_frac, plot_completion_length, plot_grad_norm, plo
                      plot_kl, plot_loss, plot_reload_time, plot_reward, plot_step_times, plot_tokens_per_s,
                      training_panels)
 from .samples import load_rollouts, read_history, sample_table
+from .step import plot_step_benchmark
 from .training import LivePlot, LiveTraining, compare_runs, plot_training, save_training_plot
 
-__all__ = ["ENGINE_COLORS", "SCHEDULE_COLORS", "LivePlot", "LiveTraining", "compare_runs", "figure_png",
+__all__ = ["plot_step_benchmark", "ENGINE_COLORS", "SCHEDULE_COLORS", "LivePlot", "LiveTraining", "compare_runs", "figure_png",
            "load_rollouts", "new_figure", "plot_clip_frac", "plot_completion_length", "plot_engine_comparison",
            "plot_grad_norm", "plot_hit_rate", "plot_is_ratio", "plot_kl", "plot_loss", "plot_reload_time",
            "plot_reward", "plot_step_times", "plot_tokens_per_s", "plot_training", "plot_turn_hit_rates",

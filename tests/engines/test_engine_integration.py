@@ -59,6 +59,26 @@ def test_generate_returns_ids_with_aligned_logprobs(engine, client, tiny_tokeniz
         assert g.prompt_tokens == len(ids) and g.finish_reason in ("stop", "length")
 
 
+def test_default_server_refuses_requests_without_its_key(engine, tiny_tokenizer):
+    """Secure by default (the fixture starts it with defaults): without the key /generate and the
+    tensor-loading route (unauthenticated remote code execution on SGLang 0.5.14 without a key)
+    answer 401, /health stays open, the key works, and no process of the server has it in argv."""
+    import httpx
+    import psutil
+
+    name, server, _ = engine
+    body = {"input_ids": _prompt(tiny_tokenizer), "sampling_params": {"max_new_tokens": 2}}
+    assert server.api_key, "a server started with defaults has a key"
+    assert httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code == 401
+    assert httpx.post(f"{server.url}/load_lora_adapter_from_tensors", json={}, timeout=60).status_code == 401
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+    auth = {"Authorization": f"Bearer {server.api_key}"}
+    assert httpx.post(f"{server.url}/generate", json=body, headers=auth, timeout=60).status_code == 200
+    leader = psutil.Process(server.pid)
+    for proc in [leader, *leader.children(recursive=True)]:
+        assert server.api_key not in " ".join(proc.cmdline()), f"{name}: the key is in the argv of pid {proc.pid}"
+
+
 def test_adapter_outputs_and_logprobs_differ_from_base(engine, client, tiny_tokenizer):
     name, _, paths = engine
     run(client.load_adapter("diff-a", paths["a"]))

@@ -1,0 +1,20 @@
+"""run_config: the "auto" rollout schedule, and that a schedule change does not block resume."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from artsg_nb.run_config import RunConfig, check_resumable, config_record, resolve_schedule
+from artsg_nb.tasks import get_task
+
+
+def test_auto_schedule_is_n_for_single_turn_and_prefix_for_multi_turn():
+    assert RunConfig().schedule == "auto"
+    assert resolve_schedule("auto", get_task("addition").max_turns) == "n"
+    assert resolve_schedule("auto", get_task("price_lookup").max_turns) == "prefix"
+    assert resolve_schedule("naive", 1) == "naive"
+
+
+def test_schedule_may_change_on_resume():
+    # every schedule draws the same samples (rollout.request_seed), so it is operational
+    saved = config_record(RunConfig(schedule="prefix"))
+    check_resumable(saved, replace(RunConfig(), resume=True))

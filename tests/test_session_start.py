@@ -1,0 +1,46 @@
+"""GRPORun.start's parallel start-up: the server starts while the trainer loads; failures of
+either are reported and never leave a server behind."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from artsg_nb.server import start_while as _in_parallel
+
+
+class _Server:
+    stopped = False
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_server_and_trainer_start_at_the_same_time():
+    server = _Server()
+    t0 = time.perf_counter()
+    got = _in_parallel(lambda: (time.sleep(0.4), server)[1], lambda: (time.sleep(0.4), "trainer")[1])
+    assert got == (server, "trainer") and time.perf_counter() - t0 < 0.7
+
+
+def test_a_failed_trainer_stops_the_started_server():
+    server = _Server()
+
+    def trainer():
+        raise RuntimeError("no trainer")
+
+    with pytest.raises(RuntimeError, match="no trainer"):
+        _in_parallel(lambda: server, trainer)
+    assert server.stopped
+
+
+def test_when_both_fail_the_server_error_is_raised():
+    def server():
+        raise FileNotFoundError("model path")
+
+    def trainer():
+        raise ValueError("config.json")
+
+    with pytest.raises(FileNotFoundError, match="model path") as err:
+        _in_parallel(server, trainer)
+    assert isinstance(err.value.__cause__, ValueError)

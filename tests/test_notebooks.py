@@ -26,9 +26,9 @@ def read(path: Path):
     return nbformat.read(path, as_version=4)
 
 
-def test_the_three_notebooks_exist():
+def test_the_four_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_multi_turn_agent.ipynb",
-                                           "03_vllm_vs_sglang.ipynb"]
+                                           "03_vllm_vs_sglang.ipynb", "04_bring_your_own_task.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

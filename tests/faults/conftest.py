@@ -58,6 +58,13 @@ def pytest_unconfigure_faults_suite(config):
     reporter.write_line(line) if reporter is not None else print(line, flush=True)
 
 
+@pytest.fixture(scope="session")
+def fault_engine() -> str:
+    """The engine the engine-agnostic fault tests (loop faults, keys, adoption) run against: the CPU
+    engine here; on the GPU host ARTSG_TEST_ENGINES=sglang runs them against real SGLang."""
+    return os.environ.get("ARTSG_TEST_ENGINES", "cpu").split(",")[0].strip() or "cpu"
+
+
 @pytest.fixture
 def faults(monkeypatch) -> SimpleNamespace:
     """The injection helpers below, the patching ones bound to this test's monkeypatch."""

@@ -27,6 +27,7 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 
 from artsg_nb import procs
@@ -40,10 +41,8 @@ pytestmark = pytest.mark.faults
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    from artsg_nb.tiny_model import default_model_dir
-
-    return default_model_dir()
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def argv_of_group(pgid: int) -> list[str]:
@@ -61,10 +60,10 @@ def mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def test_default_server_requires_a_key_that_no_argv_shows(tmp_path, model_dir, private_server_records):
+def test_default_server_requires_a_key_that_no_argv_shows(tmp_path, model_dir, private_server_records, fault_engine):
     old_umask = os.umask(0)  # the worst umask: every file would be world-writable
     try:
-        server = start_server(ServerConfig(engine="cpu", model_path=str(model_dir), run_dir=str(tmp_path)))
+        server = start_server(ServerConfig(engine=fault_engine, model_path=str(model_dir), run_dir=str(tmp_path)))
     finally:
         os.umask(old_umask)
     try:
@@ -86,6 +85,7 @@ def test_default_server_requires_a_key_that_no_argv_shows(tmp_path, model_dir, p
         assert len(records) == 2 and all(mode(p) == 0o600 for p in records), [oct(mode(p)) for p in records]
         assert all(json.loads(p.read_text())["api_key"] == key for p in records)
         assert mode(server.log_path) == 0o600  # SGLang prints its arguments, key included, to the log
+        assert not [cmd for cmd in argv_of_group(server.pid) if key in cmd], "the key is in a server process's argv"
     finally:
         server.stop()
 
@@ -93,23 +93,23 @@ def test_default_server_requires_a_key_that_no_argv_shows(tmp_path, model_dir, p
 ADOPTING_KERNEL = r'''
 import sys, time
 from artsg_nb.server import ServerConfig, start_server
-server = start_server(ServerConfig(engine="cpu", model_path=sys.argv[1], run_dir=sys.argv[2]))
+server = start_server(ServerConfig(engine=sys.argv[3], model_path=sys.argv[1], run_dir=sys.argv[2]))
 print(server.port, server.pid, flush=True)
 time.sleep(600)
 '''
 
 
-def test_kernel_restart_adopts_the_live_server(tmp_path, model_dir, private_server_records):
+def test_kernel_restart_adopts_the_live_server(tmp_path, model_dir, private_server_records, fault_engine):
     run_dir = tmp_path / "run"
-    kernel, port, pid = start_kernel(ADOPTING_KERNEL, str(model_dir), str(run_dir))
+    kernel, port, pid = start_kernel(ADOPTING_KERNEL, str(model_dir), str(run_dir), fault_engine)
     started = procs.create_time(pid)
-    key = json.loads((run_dir / "cpu.server.json").read_text())["api_key"]
+    key = json.loads((run_dir / f"{fault_engine}.server.json").read_text())["api_key"]
     kernel.send_signal(signal.SIGKILL)  # the kernel dies: no atexit, the server lives on
     kernel.wait()
     kernel.stdout.close()
 
     t0 = time.monotonic()
-    server = start_server(ServerConfig(engine="cpu", model_path=str(model_dir), run_dir=str(run_dir)))
+    server = start_server(ServerConfig(engine=fault_engine, model_path=str(model_dir), run_dir=str(run_dir)))
     try:
         async def generate():
             async with server.client() as client:
@@ -120,10 +120,10 @@ def test_kernel_restart_adopts_the_live_server(tmp_path, model_dir, private_serv
         assert usable_s <= 20
         assert server.adopted and server.pid == pid and procs.is_running(pid, started) and server.port == port
         assert server.api_key == key
-        rec = json.loads((run_dir / "cpu.server.json").read_text())
+        rec = json.loads((run_dir / f"{fault_engine}.server.json").read_text())
         assert rec["owner_pid"] == os.getpid() and rec["pid"] == pid
         assert [json.loads(p.read_text())["owner_pid"] for p in private_server_records.glob("*.json")] == [os.getpid()]
-        assert start_server(ServerConfig(engine="cpu", model_path=str(model_dir), run_dir=str(run_dir))) is server
+        assert start_server(ServerConfig(engine=fault_engine, model_path=str(model_dir), run_dir=str(run_dir))) is server
     finally:
         server.stop()
     assert not procs.is_running(pid, started) and procs.group_members(pid) == []
@@ -201,8 +201,10 @@ def test_failed_start_stops_the_server_and_releases_the_lock(tmp_path, model_dir
     try:
         with pytest.raises(RuntimeError, match="injected"):
             run.start()
-        assert run.server is not None and not run.server.alive()
-        assert procs.group_members(run.server.proc.pid) == []
+        # The server started beside the trainer (server.start_while) was stopped when the trainer failed.
+        engines_left = [p for p in psutil.Process().children(recursive=True)
+                        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "artsg_nb.cpu_engine" in " ".join(p.cmdline())]
+        assert not engines_left, f"the failed start left its server running: {engines_left}"
         assert not list(private_server_records.glob("*.json")) and not (tmp_path / "cpu.server.json").exists()
         RunDirLock(tmp_path).acquire().release()
     finally:

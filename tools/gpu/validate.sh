@@ -26,6 +26,15 @@
 #   scale-out   GRPO steps with 1 then 2 SGLang servers on this GPU behind sglang-router (0.35 of its
 #               memory each), benchmarks/scale_out_gpu.py: step time, rollout tok/s, hit rate per
 #               worker, $OUT/scale_out.csv (needs sglang-router from .whl-extra)
+#   tiny        the CI tiny model only (/tmp/models/tiny)
+#   smollm2     SmolLM2-135M-Instruct built by `python -m artsg_nb.models` from the GGUF that install.sh
+#               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)
+#   stepbench   python -m artsg_nb.bench.step: artsg_nb on SGLang vs TRL's GRPOTrainer, same job, 8 and
+#               256 new tokens (STEP_STEPS, default 6), $OUT/step.csv
+#   byo         notebooks/04 (dataset task, TRL-style rewards, eval before/after) on SmolLM2, via papermill
+#   quickstart-smol  notebooks/01 on SmolLM2 (learning rate follows the model), via papermill
+#   pipeline    30 steps synchronous vs RunConfig(pipeline=True) on SGLang, SmolLM2 (PIPE_STEPS)
+#   faults-sglang  the loop/security fault tests against real SGLang (ARTSG_TEST_ENGINES=sglang)
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 99
 source /tmp/artsg-env.sh || { echo "run tools/gpu/install.sh first"; exit 99; }
@@ -33,7 +42,7 @@ OUT=${OUT:-/tmp/artsg-out}; mkdir -p "$OUT" /tmp/models
 export ARTSG_SGLANG_ARGS=${ARTSG_SGLANG_ARGS:-"--attention-backend triton --sampling-backend pytorch --grammar-backend none --cuda-graph-max-bs 80"}
 export ARTSG_VLLM_ARGS=${ARTSG_VLLM_ARGS:-"--attention-backend TRITON_ATTN"}
 export ARTSG_CACHE=/tmp/artsg-cache PYTHONUNBUFFERED=1 MPLBACKEND=Agg
-TINY=/tmp/models/tiny; BIG=/tmp/models/0.5b
+TINY=/tmp/models/tiny; BIG=/tmp/models/0.5b; SMOL=/tmp/models/smollm2
 FAILS=0
 
 phase() {  # phase NAME LIMIT_S COMMAND...
@@ -52,6 +61,23 @@ for p in "$@"; do
     models)      phase models 240 bash -c "python3 -m artsg_nb.tiny_model $TINY && python3 -m artsg_nb.tiny_model $BIG --size 0.5b" ;;
     probe-tiny)  phase probe-tiny 300 python3 tools/gpu/probe_engine.py --engine sglang --model $TINY --run-dir /tmp/probe-tiny --out "$OUT/probe_tiny.json" ;;
     probe-05b)   phase probe-05b 300 python3 tools/gpu/probe_engine.py --engine sglang --model $BIG --run-dir /tmp/probe-05b --out "$OUT/probe_05b.json" ;;
+    tiny)        phase tiny 240 python3 -m artsg_nb.tiny_model $TINY ;;
+    smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
+    stepbench)   phase stepbench 560 python3 -m artsg_nb.bench.step --engine sglang --model $SMOL --max-new-tokens 8,256 \
+                   --steps ${STEP_STEPS:-6} --groups 16 --group-size 8 --run-dir /tmp/runs/step --out "$OUT/step.csv"
+                 grep -E 'artsg_nb|trl|ratio|x TRL|speed' "$OUT/stepbench.log" | tail -12 | cut -c1-220 | sed 's/^/    /' ;;
+    byo)         phase byo 400 python3 -m papermill notebooks/04_bring_your_own_task.ipynb "$OUT/04_byo.ipynb" \
+                   -p RUN_DIR /tmp/runs/byo -p MODEL $SMOL --cwd notebooks --log-output
+                 grep -E 'eval reward|train reward|pass@1' "$OUT/byo.log" | tail -4 | cut -c1-220 | sed 's/^/    /' ;;
+    quickstart-smol) phase quickstart-smol 400 python3 -m papermill notebooks/01_quickstart.ipynb "$OUT/01_smol.ipynb" \
+                   -p RUN_DIR /tmp/runs/qs-smol -p MODEL_PATH $SMOL --cwd notebooks --log-output
+                 grep -E '^reward|reward:' "$OUT/quickstart-smol.log" | tail -2 | cut -c1-300 | sed 's/^/    /' ;;
+    pipeline)    phase pipeline 560 bash -c "python3 -m artsg_nb.train --engine sglang --model-path $SMOL --steps ${PIPE_STEPS:-30} \
+                   --group-size 8 --groups-per-step 16 --run-dir /tmp/runs/sync && python3 -m artsg_nb.train --engine sglang \
+                   --model-path $SMOL --steps ${PIPE_STEPS:-30} --group-size 8 --groups-per-step 16 --pipeline --run-dir /tmp/runs/pipe" ;;
+    faults-sglang) phase faults-sglang 560 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q \
+                   -m faults ${FAULTS_K:+-k "$FAULTS_K"} tests/faults
+                 grep -E '^faults:|passed|failed' "$OUT/faults-sglang.log" | tail -3 | sed 's/^/    /' ;;
     tests)       phase tests 400 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q -m "gpu or sglang" tests ;;
     train)       phase train 400 python3 -m artsg_nb.train --engine sglang --model $TINY --steps ${TRAIN_STEPS:-5} --run-dir /tmp/runs/train-sglang ;;
     notebook)    phase notebook 500 python3 -m artsg_nb.demo --run-dir /tmp/runs/demo-sglang ;;

@@ -44,7 +44,7 @@ class EvalResult:
 def eval_task_and_seeds(task, split: str, n: int | None, default_n: int) -> tuple[object, list[int]]:
     """The task to play and its seeds for `split` (see the module docstring)."""
     split_fn = getattr(task, "split", None)
-    if callable(split_fn):
+    if callable(split_fn) and getattr(task, "source", None) is not None:  # a dataset task: held-out rows
         part = split_fn(split)
         size = _length(part)
         count = n if n is not None else (size if size is not None else default_n)
@@ -54,7 +54,7 @@ def eval_task_and_seeds(task, split: str, n: int | None, default_n: int) -> tupl
     count = n if n is not None else default_n
     if split == "eval":
         return task, list(range(EVAL_SEED_BASE, EVAL_SEED_BASE + count))
-    raise ValueError(f"task {getattr(task, 'name', task)!r} has no splits (no split() method), so only "
+    raise ValueError(f"task {getattr(task, 'name', task)!r} has no splits (not a dataset task), so only "
                      f"split='eval' (held-out seeds from {EVAL_SEED_BASE}) is defined; got split={split!r}")
 
 

@@ -73,7 +73,9 @@ def test_a_task_with_an_eval_split_is_evaluated_on_its_rows():
         def __len__(self):
             return 3
 
-    class DatasetTask:
+    class DatasetTask:  # as Task.from_dataset makes one: rows behind `source`, split() by name
+        source = object()
+
         def split(self, name):
             assert name == "eval"
             return Rows()

@@ -4,6 +4,7 @@ never breaks the caller; unknown names are refused."""
 import logging
 
 import pytest
+from pathlib import Path
 
 from artsg_nb.trackers import Trackers, numeric_fields
 
@@ -58,13 +59,21 @@ def test_mlflow_sink_file_store(tmp_path, monkeypatch):
 
 
 def test_trackio_sink_local(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
-    trackers = Trackers(["trackio"], tmp_path, "artsg-test", {"lr": 0.1})
+    import uuid
+
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is first imported
+    import trackio.utils
+
+    where = Path(trackio.utils.TRACKIO_DIR)  # an earlier test may have imported trackio with another dir
+    name = f"artsg-test-{uuid.uuid4().hex[:8]}"
+    before = set(where.rglob("*")) if where.exists() else set()
+    trackers = Trackers(["trackio"], tmp_path, name, {"lr": 0.1})
     assert "trackio" in trackers.sinks, "trackio did not start locally"
     for row in ROWS:
         trackers.log(row)
     trackers.close()
-    assert any(p.is_file() for p in (tmp_path / "trackio").rglob("*")), "trackio wrote nothing locally"
+    written = [p for p in where.rglob("*") if p.is_file() and p not in before]
+    assert written, f"trackio wrote nothing locally under {where}"
 
 
 def test_a_failing_sink_warns_once_and_never_breaks_training(tmp_path, caplog):

@@ -63,9 +63,9 @@ def raw_plans(groups: Sequence[TrajectoryGroup]) -> list[list[RawPlan]]:
 class RawEngine:
     """Plain httpx posts of the payloads the toolkit client sends; no parsing beyond ids/counts."""
 
-    def __init__(self, engine: str, base_url: str, model: str, params, stream: bool):
+    def __init__(self, engine: str, base_url: str, model: str, params, stream: bool, headers: dict | None = None):
         self.engine, self.model, self.params, self.stream = engine, model, params, stream
-        self.http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0),
+        self.http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), headers=headers or {},
                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
         self.samples: list[RawSample] = []
 
@@ -172,11 +172,12 @@ async def _raw_group(raw: RawEngine, members: list[RawPlan], schedule: str) -> N
 
 
 async def replay_raw(engine: str, base_url: str, model: str, plans: list[list[RawPlan]], params,
-                     schedule: str, stream: bool) -> tuple[float, list[RawSample]]:
-    """Send `plans` under `schedule` with plain httpx; (wall seconds, samples)."""
+                     schedule: str, stream: bool, headers: dict | None = None) -> tuple[float, list[RawSample]]:
+    """Send `plans` under `schedule` with plain httpx (`headers`: the server's Authorization);
+    (wall seconds, samples)."""
     if schedule not in RAW_SCHEDULES:
         raise ValueError(f"the raw baseline implements {RAW_SCHEDULES}, not {schedule!r}")
-    raw = RawEngine(engine, base_url, model, params, stream)
+    raw = RawEngine(engine, base_url, model, params, stream, headers)
     try:
         t0 = time.perf_counter()
         await asyncio.gather(*(_raw_group(raw, members, schedule) for members in plans))

@@ -222,7 +222,7 @@ async def run_raw(client, cfg: BenchConfig, groups, schedule: str) -> dict:
     plans = raw_plans(groups)
     before = await _counters(client, cfg.engine)
     wall, samples = await replay_raw(cfg.engine, client.base_url, client.served_model, plans,
-                                     _params(cfg), schedule, cfg.stream_all)
+                                     _params(cfg), schedule, cfg.stream_all, headers=client.auth_headers)
     after = await _counters(client, cfg.engine)
     row = _timing_row(wall, samples, [len(p.prompt) for members in plans for p in members])
     requests = sum(1 + len(p.env_segments) for members in plans for p in members)

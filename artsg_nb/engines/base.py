@@ -166,6 +166,11 @@ class EngineClient(abc.ABC):
         self._turn = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The Authorization header this client sends (for a raw httpx baseline of the same server)."""
+        return dict(self._headers)
+
     async def __aenter__(self) -> "EngineClient":
         return self
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from .lora import load_version
 
@@ -46,7 +48,7 @@ class PipelinedSteps:
 
     _ahead: tuple | None = None  # (step, groups, hit_rate, rollout_s) sampled during the last update
     _ahead_task: asyncio.Task | None = None  # the rollouts being sampled ahead, while a step runs
-    _pipeline_row: dict = {}  # this step's pipelining columns of the history row
+    _pipeline_row: Mapping = MappingProxyType({})  # this step's pipelining columns of the history row
 
     async def _step_rollouts(self, step: int):
         """(groups, hit_rate, rollout_s) of `step`: sampled ahead, or rolled out now."""

@@ -3,6 +3,8 @@ update, so each step from the second trains on rollouts one adapter version old 
 with the same prompts as a synchronous run and truncated IS against the server's logprobs; it
 learns like the synchronous run; it refuses release_memory; stop() leaves no rollout running."""
 import asyncio
+import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -106,3 +108,33 @@ def test_stop_with_rollouts_in_flight_leaves_no_task(tiny_model_dir, tmp_path):
         assert run.trainer.step == 1 and run._ahead is None and len(run.history.df) == 1
     finally:
         run.stop()
+
+
+def test_server_killed_during_the_update_restarts_the_rollouts_ahead(tiny_model_dir, tmp_path):
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        real = run.trainer.train_step
+        killed = []
+
+        def killing(groups):  # in the worker thread, while step 3's rollouts are sampled ahead
+            if run.trainer.step == 1 and not killed:
+                killed.append(run.server.pid)
+                os.killpg(run.server.pid, signal.SIGKILL)
+                run.server.proc.wait(timeout=30)
+            return real(groups)
+
+        run.trainer.train_step = killing
+        rows = [asyncio.run(run.step()) for _ in range(3)]
+        assert killed and run.server.alive() and run.server.pid != killed[0] and run.restarts == 1
+        assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["failed_rollouts"] == 0
+        # step 3's rollouts, redone on the new server, still came from the republished policy-step-1
+        assert set(run.samples(3)["adapter"]) == {"policy-step-1"} and rows[-1]["staleness"] == 1
+
+
+def test_resumed_pipelined_run_rolls_out_its_first_step_afresh(tiny_model_dir, tmp_path):
+    cfg = _cfg(tiny_model_dir, tmp_path, pipeline=True, groups_per_step=2)
+    with GRPORun(cfg) as run:
+        asyncio.run(run.run(2))
+    with GRPORun(replace(cfg, resume=True)) as run:
+        row = asyncio.run(run.step())
+        assert row["step"] == 3 and row["staleness"] == 0
+        assert list(run.history.df["staleness"]) == [0, 1, 0]

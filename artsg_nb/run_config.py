@@ -117,6 +117,16 @@ class RunConfig:
     the served one and the newest resumable checkpoint (retention.py)."""
     keep_every: int = 0
     """With keep_adapters: also keep every Mth step's version (0: none extra)."""
+    pipeline: bool = False
+    """Overlap rollouts with training, one step off-policy (pipeline.py): step n+1's rollouts are
+    sampled on the server, under the newest published adapter, while the trainer updates on step
+    n's; the adapter is reloaded once both are done. Each step from the second trains on rollouts
+    one adapter version old (history column `staleness`), corrected by importance sampling against
+    the server's logprobs: grpo.is_mode None becomes "token_truncate" (TRL's truncated IS, capped
+    at grpo.is_clip_max). Same prompts and seeds as a synchronous run. Gains up to
+    min(rollout_s, train_s) per step where server and trainer do not share the compute (a GPU
+    each; little on a few CPU cores). Not with release_memory. The first step of a run, or of a
+    resumed one, rolls out synchronously."""
     report_to: tuple[str, ...] = ()
     """Trackers that get every history row: "wandb", "trackio", "tensorboard", "mlflow"
     (trackers.py; each is optional and imported only when named here)."""
@@ -178,7 +188,13 @@ def resolve_release(cfg: RunConfig, mode: str) -> bool:
     """cfg.release_memory → bool ("auto": only when server and trainer share one GPU)."""
     memory_tags(cfg.release_tags)  # a typo fails before anything is launched
     if cfg.release_memory == "auto":
-        return mode == "colocated"
-    if not isinstance(cfg.release_memory, bool):
+        release = mode == "colocated"
+    elif not isinstance(cfg.release_memory, bool):
         raise ValueError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto'")
-    return cfg.release_memory
+    else:
+        release = cfg.release_memory
+    if release and cfg.pipeline:
+        raise ValueError(f"pipeline=True with release_memory={cfg.release_memory!r} (resolved on: {mode} plan): the "
+                         "server cannot give its GPU memory back while it samples the next step's rollouts during the "
+                         "update. Use one of them: release_memory=False to pipeline, or pipeline=False to release.")
+    return release

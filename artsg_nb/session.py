@@ -36,6 +36,7 @@ from .lora import (AdapterPublisher, AdapterSaveError, MaskedScorer, load_versio
                    probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic)
 from .metrics import HitRateTracker, cache_counters, hit_rate
 from .models import base_model_id, built_model_dir
+from .pipeline import PipelinedSteps
 from .plots import LiveTraining, load_rollouts, plot_training
 from .procs import RunDirLock
 from .recovery import ServerLostError, ServerRecovery  # noqa: F401  (ServerLostError: public here too)
@@ -55,7 +56,7 @@ from .widgets import Dashboard
 log = logging.getLogger(__name__)
 
 
-class GRPORun(ServerRecovery):
+class GRPORun(ServerRecovery, PipelinedSteps):
     """One run: `start()`, then `await step()` per cell or `await run(n)`; `stop()` at the end."""
 
     def __init__(self, cfg: RunConfig):
@@ -126,6 +127,7 @@ class GRPORun(ServerRecovery):
         """Stop the server (by process group), then the dashboard after one last refresh, so it
         says "stopped"; release run_dir's lock. Saved adapters and history stay in run_dir."""
         try:
+            self._cancel_ahead_now()  # rollouts sampled ahead (pipeline.py) must not outlive the server
             if self.trackers is not None:
                 self.trackers.close()
             if self.server is not None:
@@ -187,19 +189,18 @@ class GRPORun(ServerRecovery):
             # between them adds a few hundred prompt tokens); this is the first window's start.
             self.tracker.add_sample(await self.client.metrics_text())
         step = self.trainer.step + 1
-        t0 = time.perf_counter()
-        groups, hit_rate = await self._with_restarts(self._rollouts, step)
+        groups, hit_rate, rollout_s = await self._step_rollouts(step)  # pipeline.py: maybe sampled ahead
         require_rewards(groups)
-        rollout_s = time.perf_counter() - t0
         write_rollouts(self.run_dir, step, groups)
         n_constant, no_signal = constant_groups(groups)
         if no_signal:  # every group has one reward: no gradient; see _skip_update
             metrics, train_s, memory_s, (version, reload_s, probe) = self._skip_update(n_constant)
         else:
-            metrics, train_s, memory_s = await self._train(groups)
+            metrics, train_s, memory_s = await self._step_train(groups, step)
             version, reload_s, probe = await self._save_and_reload(groups)
         row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
                        memory_s, self.restarts)
+        row.update(self._pipeline_row)  # staleness, ahead_wait_s when pipelining
         if self.cfg.eval_every and step % self.cfg.eval_every == 0:
             row.update(history_fields(await self.evaluate(n=self.cfg.eval_n)))
         if isinstance(self.server, Fleet):  # per-worker hit rate and load of this step's rollouts
@@ -287,7 +288,9 @@ class GRPORun(ServerRecovery):
 
     def _make_trainer(self, model_path: str):
         cfg = self.cfg
-        grpo = replace(cfg.grpo, temperature=cfg.temperature)
+        # Pipelined rollouts are one version old: TRL's truncated IS corrects them unless is_mode is set.
+        grpo = replace(cfg.grpo, temperature=cfg.temperature,
+                       is_mode=cfg.grpo.is_mode or ("token_truncate" if cfg.pipeline else None))
         return Trainer(TrainerConfig(model_path=model_path, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                                      learning_rate=self.learning_rate(model_path), micro_batch_tokens=cfg.micro_batch_tokens,
                                      seed=cfg.seed, grpo=grpo))

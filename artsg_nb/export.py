@@ -20,8 +20,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +58,9 @@ def export_merged(adapter_dir: str | Path, out: str | Path, base_model: str, tok
     """Merge the adapter in `adapter_dir` into `base_model` and save the result at `out` as a
     plain model directory with the tokenizer. Loads the base model again on the CPU (its memory
     for a moment); `dtype` "auto" keeps the base model's saved precision."""
+    from peft import PeftModel  # where used: see trainer.py (Unsloth must patch these first on a GPU)
+    from transformers import AutoModelForCausalLM
+
     adapter_dir, out = Path(adapter_dir), Path(out)
     if not (adapter_dir / "adapter_config.json").exists():
         raise ExportError(f"{adapter_dir} is not a saved adapter (no adapter_config.json)")

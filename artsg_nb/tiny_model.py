@@ -58,12 +58,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+if TYPE_CHECKING:  # transformers is imported where used: see trainer.py (Unsloth patches it first on a GPU)
+    from transformers import PreTrainedTokenizerFast, Qwen2Config
 
 from . import tasks
 
@@ -139,6 +141,8 @@ def _tokenizer_corpus() -> list[str]:
 
 def train_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE with VOCAB_SIZE tokens, as a transformers PreTrainedTokenizerFast."""
+    from transformers import PreTrainedTokenizerFast
+
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -158,6 +162,8 @@ def train_tokenizer() -> PreTrainedTokenizerFast:
 # ---- model config and weights ----------------------------------------------------------------
 def model_config(size: str, vocab_size: int = VOCAB_SIZE) -> Qwen2Config:
     """The Qwen2Config of a size (token ids as written by `train_tokenizer`)."""
+    from transformers import Qwen2Config
+
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; known sizes: {', '.join(SIZES)}")
@@ -172,6 +178,7 @@ def random_weights(config: Qwen2Config, seed: int) -> dict[str, torch.Tensor]:
 
     Shapes come from a model on the meta device, so nothing is materialised twice; tied
     lm_head weights are left out, as in Qwen's own checkpoints."""
+    from transformers import Qwen2ForCausalLM
 
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in Qwen2ForCausalLM(config).named_parameters()}
@@ -343,6 +350,7 @@ def _train(model, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -
 
 
 def _pretrained_weights(config, weights: dict, tokenizer, steps: int, seed: int) -> dict[str, torch.Tensor]:
+    from transformers import Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM(config)
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -383,6 +391,7 @@ def is_tiny_build(out_dir) -> bool:
 
 
 def _write_model(tmp: Path, size: str, seed: int, pretrain_steps: int) -> None:
+    from transformers import GenerationConfig
 
     tokenizer = train_tokenizer()
     config = model_config(size, len(tokenizer))

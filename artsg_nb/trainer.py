@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl.trainer.utils import selective_log_softmax
 
+# transformers, peft and trl are imported where used, not here: on a GPU, Unsloth must patch them
+# before their first import, and importing Unsloth initialises CUDA, so it waits for the GPU plan
+# (trainer._load_unsloth). Importing artsg_nb.session therefore imports none of them.
 from .checkpoint import CheckpointError, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint_file
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss, zero_advantage_groups
 
@@ -133,6 +133,7 @@ class Trainer:
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Per-token logprobs of tokens 1..L-1 at the sampling temperature (as the server)."""
+        from trl.trainer.utils import selective_log_softmax
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         return selective_log_softmax(logits.float() / self.cfg.grpo.temperature, input_ids[:, 1:])
 
@@ -146,6 +147,7 @@ class Trainer:
         into rows no longer than the longest one (so attention costs at most what padding did),
         each with its own position ids. The result is laid out as `score`'s (B, L-1), 0 past
         each sequence's end."""
+        from trl.trainer.utils import selective_log_softmax
         lengths = attention_mask.sum(1).tolist()
         width = max(lengths)
         rows, used, place = [], [], {}
@@ -225,6 +227,7 @@ class Trainer:
         """PEFT adapter (adapter_config.json + adapter_model.safetensors) at `path`: the files
         `PeftModel.save_pretrained` writes, byte for byte in tensors and config, without its model
         card (README.md), which took 2/3 of the save (r16 on the tiny model: 200 → 60 ms on CPU)."""
+        from peft import get_peft_model_state_dict
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = get_peft_model_state_dict(self.model)
@@ -250,6 +253,7 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore adapter weights, optimizer, step and RNG saved by `save_checkpoint`."""
+        from peft import set_peft_model_state_dict
 
         path = Path(path)
         missing = [n for n in ("adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json")
@@ -296,12 +300,15 @@ def _unsloth_importable() -> bool:
 
 
 def _lora_config(cfg: TrainerConfig):
+    from peft import LoraConfig
     # The subset both SGLang and vLLM accept: no dropout, bias, DoRA, rsLoRA or modules_to_save.
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
                       target_modules=list(cfg.target_modules), task_type="CAUSAL_LM")
 
 
 def _load_peft(cfg: TrainerConfig, device: torch.device):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype).to(device)
     if cfg.gradient_checkpointing:

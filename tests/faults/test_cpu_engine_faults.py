@@ -51,12 +51,17 @@ def server(model_dir, tmp_path_factory):
 def post(server, path: str, body: dict | str, timeout: float = 60) -> httpx.Response:
     content = body if isinstance(body, str) else json.dumps(body)
     return httpx.post(f"{server.url}{path}", content=content, timeout=timeout,
-                      headers={"content-type": "application/json"})
+                      headers={"content-type": "application/json", **auth(server)})
+
+
+def auth(server) -> dict:
+    """The server's key (servers require one by default; these tests are about bad bodies)."""
+    return {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
 
 
 async def _batch(server, bad_body: str) -> tuple[list[httpx.Response], httpx.Response]:
     """Six good requests and one bad one, sent together so that they share decode batches."""
-    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+    async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=auth(server)) as client:
         good = [client.post("/generate", json={"input_ids": [5, 6, 7 + i], "sampling_params": GOOD})
                 for i in range(6)]
         bad = client.post("/generate", content=bad_body, headers={"content-type": "application/json"})
@@ -121,7 +126,7 @@ def test_adapter_of_the_wrong_shape_is_refused_at_load(server, model_dir, tmp_pa
     base_before = post(server, "/generate", greedy).json()["output_ids"]
     resp = post(server, "/load_lora_adapter", {"lora_name": "wide", "lora_path": str(path)})
     assert resp.status_code == 400, resp.text
-    assert "wide" not in httpx.get(f"{server.url}/v1/models").text
+    assert "wide" not in httpx.get(f"{server.url}/v1/models", headers=auth(server)).text
     # the first adapter load of this server failed: the base model must be untouched by it
     after = post(server, "/generate", greedy)
     assert after.status_code == 200 and after.json()["output_ids"] == base_before, after.text
@@ -138,7 +143,7 @@ def test_a_huge_prompt_does_not_stall_other_clients(server):
     huge = {"text": "12 + 345 = 357. " * 62500, "sampling_params": {"max_new_tokens": 1}}  # 1e6 characters
 
     async def go():
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=auth(server)) as client:
             done = {}
 
             async def timed(name, coro):

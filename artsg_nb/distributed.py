@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from . import procs
-from .grpo import GRPOConfig, importance_sampling_ratio, policy_loss, zero_advantage_groups
-from .trainer import Batch, Trainer, TrainerConfig, _micro_batches, _slice
+from .grpo import GRPOConfig, zero_advantage_groups
+from .trainer import Batch, Trainer, TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -69,21 +69,14 @@ def broadcast_lora(trainer: Trainer, src: int = 0) -> None:
 def ddp_train_step(trainer: Trainer, groups, rank: int, world_size: int) -> dict:
     """One optimizer step on `groups` (the same on every rank), this rank computing its shard."""
     batch = trainer.make_batch(groups)
-    g = trainer.cfg.grpo
     n_seq = batch.input_ids.shape[0]
     n_items = batch.completion_mask.sum().clamp(min=1)
     mine = _take(batch, shard(n_seq, rank, world_size))
     params = _trainable(trainer)
     trainer.model.train()
     local_loss = torch.zeros((), dtype=torch.float64)
-    for idx in _micro_batches(mine.attention_mask.sum(1).tolist(), trainer.cfg.micro_batch_tokens):
-        mb = _slice(mine, idx, trainer.device)
-        logps = trainer.score(mb.input_ids, mb.attention_mask)
-        ref = trainer._ref_logps(mb) if g.beta else None
-        is_ratio = (importance_sampling_ratio(logps.detach(), mb.sampling_logps, mb.completion_mask, g)
-                    if g.is_mode else None)
-        loss, _ = policy_loss(logps, None, mb.advantages, mb.completion_mask, g, ref_logps=ref,
-                              is_ratio=is_ratio, num_sequences=n_seq, num_items=n_items)
+    for mb in trainer.micro_batches(mine):
+        loss, _, _ = trainer.micro_batch_loss(mb, n_seq, n_items)  # normalised by the whole batch
         loss.backward()
         local_loss += loss.item()
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

@@ -318,6 +318,18 @@ class RunDirLock:
         return self._fd is not None
 
 
+def key_launcher(module: str, key_env: str) -> str:
+    """`python -c` code that runs `module` as __main__ with `--api-key <key>` appended to its
+    sys.argv inside the process, the key taken (and removed) from the environment variable
+    `key_env`. /proc/<pid>/cmdline, readable by every local user, shows the argv the process was
+    started with, so it never holds the key. For programs that parse sys.argv in-process (SGLang's
+    launch_server, sglang_router) and offer no key variable or file; plain code, so the target
+    environment needs nothing of ours."""
+    return (f"import os, runpy, sys\nkey = os.environ.pop({key_env!r}, '')\n"
+            f"if key:\n    sys.argv += ['--api-key', key]\n"
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+
+
 def port_is_free(host: str, port: int) -> bool:
     """Can a server bind host:port now? (SO_REUSEADDR, as uvicorn uses, so TIME_WAIT is free.)"""
     with socket.socket(_family(host), socket.SOCK_STREAM) as s:

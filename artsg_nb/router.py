@@ -59,13 +59,7 @@ API_KEY_ENV = "ARTSG_ROUTER_API_KEY"
 """The router's key travels in its environment, never its argv (/proc/<pid>/cmdline is world-readable)."""
 # sglang_router parses sys.argv in-process (the Rust router is an extension module, not a child
 # process), so the key is appended to sys.argv inside the process, where no other user sees it.
-LAUNCHER = f"""\
-import os, runpy, sys
-key = os.environ.pop({API_KEY_ENV!r}, "")
-if key:
-    sys.argv += ["--api-key", key]
-runpy.run_module("sglang_router.launch_router", run_name="__main__", alter_sys=True)
-"""
+LAUNCHER = procs.key_launcher("sglang_router.launch_router", API_KEY_ENV)
 
 
 def build_router_command(worker_urls: Sequence[str], port: int, metrics_port: int, policy: str = "cache_aware",

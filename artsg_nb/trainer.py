@@ -103,22 +103,12 @@ class Trainer:
     def train_step(self, groups) -> dict:
         """Advantages → loss → one optimizer step over all valid trajectories of `groups`."""
         batch = self.make_batch(groups)
-        g = self.cfg.grpo
         n_seq = batch.input_ids.shape[0]
         n_items = batch.completion_mask.sum().clamp(min=1)
         stats = _Accumulator()
         self.model.train()
-        lengths = batch.attention_mask.sum(1).tolist()
-        packed = self.packing
-        for idx in _micro_batches(lengths, self.cfg.micro_batch_tokens):
-            mb = _slice(batch, idx, self.device)
-            # (b, L-1), with grad
-            logps = self.score_packed(mb.input_ids, mb.attention_mask) if packed else self.score(mb.input_ids, mb.attention_mask)
-            ref = self._ref_logps(mb) if g.beta else None
-            is_ratio = (importance_sampling_ratio(logps.detach(), mb.sampling_logps, mb.completion_mask, g)
-                        if g.is_mode else None)
-            loss, metrics = policy_loss(logps, None, mb.advantages, mb.completion_mask, g, ref_logps=ref,
-                                        is_ratio=is_ratio, num_sequences=n_seq, num_items=n_items)
+        for mb in self.micro_batches(batch):
+            loss, metrics, logps = self.micro_batch_loss(mb, n_seq, n_items)
             loss.backward()
             stats.add(loss.item(), metrics, mb.completion_mask.sum().item(),
                       _is_stats(logps.detach(), mb.sampling_logps, mb.completion_mask))
@@ -130,6 +120,24 @@ class Trainer:
         return {**stats.result(), "grad_norm": float(grad_norm), "sequences": n_seq,
                 "zero_adv_groups": zero_advantage_groups(batch.rewards, batch.group_ids),
                 "tokens": int(batch.attention_mask.sum()), "completion_tokens": int(n_items)}
+
+    def micro_batches(self, batch: Batch):
+        """`batch` in micro-batches of at most micro_batch_tokens tokens, on the trainer's device."""
+        for idx in _micro_batches(batch.attention_mask.sum(1).tolist(), self.cfg.micro_batch_tokens):
+            yield _slice(batch, idx, self.device)
+
+    def micro_batch_loss(self, mb: Batch, n_seq: int, n_items) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        """(loss, its metrics, the (b, L-1) logprobs with grad) of one micro-batch, normalised by the
+        whole batch's `n_seq` sequences / `n_items` completion tokens (grpo.policy_loss)."""
+        g = self.cfg.grpo
+        score = self.score_packed if self.packing else self.score
+        logps = score(mb.input_ids, mb.attention_mask)
+        ref = self._ref_logps(mb) if g.beta else None
+        is_ratio = (importance_sampling_ratio(logps.detach(), mb.sampling_logps, mb.completion_mask, g)
+                    if g.is_mode else None)
+        loss, metrics = policy_loss(logps, None, mb.advantages, mb.completion_mask, g, ref_logps=ref,
+                                    is_ratio=is_ratio, num_sequences=n_seq, num_items=n_items)
+        return loss, metrics, logps
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Per-token logprobs of tokens 1..L-1 at the sampling temperature (as the server)."""

@@ -42,6 +42,7 @@ import logging
 import time
 from typing import Iterable
 
+from ..procs import key_launcher
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, saver_problem)
 from .errors import AdapterExistsError, EngineError, MemorySaverError
@@ -251,7 +252,6 @@ def launch_args(cfg, port: int) -> list[str]:
     return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
 
 
-
 API_KEY_ENV = "ARTSG_SGLANG_API_KEY"
 # SGLang 0.5.14 takes its key only as `--api-key` (server_args.py: a plain str flag, no
 # environment variable and no key file; `SGLANG_API_KEY` is a client-side convention, not read
@@ -263,13 +263,7 @@ API_KEY_ENV = "ARTSG_SGLANG_API_KEY"
 # pickle, not by argv. Plain code rather than a module of ours: the server environment need not
 # have artsg_nb installed. SGLang prints its ServerArgs (key included) to the log, which is
 # therefore created 0600 (procs.spawn).
-LAUNCHER = f"""\
-import os, runpy, sys
-key = os.environ.pop({API_KEY_ENV!r}, "")
-if key:
-    sys.argv += ["--api-key", key]
-runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
-"""
+LAUNCHER = key_launcher("sglang.launch_server", API_KEY_ENV)
 
 
 def validate(cfg) -> None:

@@ -225,4 +225,4 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: fl
             "reward_errors": sum(t.reward_error is not None for t in trajs),
             "truncated": sum(bool(t.truncated) for t in trajs), "restarts": restarts,
             "probe_mad": probe.get("probe_mad"), "probe_moved": probe.get("probe_moved"),
-            "time": time.time()}
+            **({"trainer_ranks": metrics["ranks"]} if "ranks" in metrics else {}), "time": time.time()}

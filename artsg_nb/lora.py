@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checkpoint import CheckpointError
 from .engines import UnknownAdapterError
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,19 @@ def load_version(adapters_dir: str | Path, step: int) -> AdapterVersion:
                                    f"{path / ADAPTER_FILE} is corrupt. Move {path} out of the run directory and "
                                    "resume from the checkpoint before it (resume=True)")
     return AdapterVersion(path.name, path, step, stored)
+
+
+def latest_checkpoint(adapters_dir: str | Path, last_step: int) -> AdapterVersion:
+    """The newest adapter with a trainer checkpoint at or before `last_step` (the newest step
+    with a history row: a checkpoint saved after it is redone, as it would have been without a
+    loss), its checksum checked."""
+    adapters = Path(adapters_dir)
+    steps = [s for s in (int(p.name.rsplit("-", 1)[1]) for p in adapters.glob("policy-step-*")
+                         if (p / "trainer_state.json").exists()) if s <= last_step]
+    if not steps:
+        raise CheckpointError(f"resume=True but {adapters} holds no complete checkpoint; "
+                              "start without resume or point run_dir at the run to continue")
+    return load_version(adapters, max(steps))
 
 
 def check_inside(path: Path, run_dir: Path) -> None:

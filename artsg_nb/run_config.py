@@ -105,6 +105,11 @@ class RunConfig:
     is used, a dead one is restarted (or dropped once max_restarts is spent). CPU: N CPU engines;
     one GPU: N servers share it (memory fraction 0.70 / N each); several GPUs: one GPU each
     (gpus.plan_gpus). History gains worker_hit_rates and worker_prompt_tokens."""
+    trainer_ranks: int = 1
+    """Trainer processes (torch.distributed data parallel, distributed.RankedTrainer): the
+    kernel is rank 0 and starts the others; each computes its share of the batch and the LoRA
+    gradients are summed, so the update is the one-process one. GPUs: one each, split plan
+    only; CPU: processes with gloo. Logs in run_dir/trainer-rank<r>.log."""
     verbose: bool = True
     """Print one progress line per step."""
     eval_every: int = 0
@@ -134,7 +139,7 @@ class RunConfig:
 
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
-_OPERATIONAL = frozenset({"resume", "verbose", "max_restarts", "hang_timeout_s", "verify_adapter", "concurrency",
+_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "verify_adapter", "concurrency",
                           "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to"})
 """Fields that change how a run is operated, not what it computes: a resumed run may change them."""

@@ -10,7 +10,8 @@ served version, so the step can simply be run again. `resume=True` continues a r
 newest completed step (a checkpoint with its history row); with the same seed it draws the same
 samples an uninterrupted run would. With `release_memory` (one shared GPU) the server's memory is
 given back after the rollouts and taken again before the reload, so the trainer gets the GPU;
-if training fails meanwhile, the memory is taken back before the error goes up.
+if training fails meanwhile, the memory is taken back before the error goes up. With
+`trainer_ranks` > 1 the trainer is data-parallel over processes (distributed.RankedTrainer).
 
 What it does not do: the loss (grpo.py), the optimizer (trainer.py), HTTP details (engines/),
 or drawing (plots.py, widgets.py). The algorithm in one paragraph: for each step, sample
@@ -26,13 +27,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from .distributed import make_trainer
 from .engines import SamplingParams
 from .evaluate import evaluate, history_fields
 from .export import export_adapter, export_merged
 from .fleet import Fleet, fleet_configs
 from .gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History, step_row
-from .lora import (AdapterPublisher, AdapterSaveError, MaskedScorer, load_version,
+from .lora import (AdapterPublisher, AdapterSaveError, MaskedScorer, latest_checkpoint,
                    probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic)
 from .metrics import HitRateTracker, cache_counters, hit_rate
 from .models import base_model_id, built_model_dir
@@ -49,7 +51,7 @@ from .server import ServerConfig, start_server, start_while
 from .tasks import resolve_task
 from .tiny_model import default_model_dir, is_tiny_build
 from .trackers import Trackers
-from .trainer import CheckpointError, Trainer, TrainerConfig
+from .trainer import TrainerConfig
 from .watchdog import HealthWatchdog
 from .widgets import Dashboard
 
@@ -89,7 +91,8 @@ class GRPORun(ServerRecovery, PipelinedSteps):
     def _start(self) -> "GRPORun":
         cfg = self.cfg
         self._save_config()
-        self.plan = plan_gpus(list_gpus(), num_servers=cfg.num_servers)
+        self.plan = plan_gpus(list_gpus(), num_servers=cfg.num_servers,
+                              trainer_ranks=cfg.trainer_ranks if cfg.trainer_ranks > 1 else None)
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
         self.release = resolve_release(cfg, self.plan.mode)
         self.plan = replace(self.plan, release_server_memory=self.release)
@@ -132,6 +135,8 @@ class GRPORun(ServerRecovery, PipelinedSteps):
                 self.trackers.close()
             if self.server is not None:
                 self.server.stop()
+            if self.trainer is not None:
+                self.trainer.close()  # a RankedTrainer's rank processes
             if self._dashboard is not None:
                 self._dashboard.stop(reason="run stopped")
         finally:
@@ -291,28 +296,18 @@ class GRPORun(ServerRecovery, PipelinedSteps):
         # Pipelined rollouts are one version old: TRL's truncated IS corrects them unless is_mode is set.
         grpo = replace(cfg.grpo, temperature=cfg.temperature,
                        is_mode=cfg.grpo.is_mode or ("token_truncate" if cfg.pipeline else None))
-        return Trainer(TrainerConfig(model_path=model_path, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                     learning_rate=self.learning_rate(model_path), micro_batch_tokens=cfg.micro_batch_tokens,
-                                     seed=cfg.seed, grpo=grpo))
+        return make_trainer(TrainerConfig(model_path=model_path, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                                          learning_rate=self.learning_rate(model_path), seed=cfg.seed, grpo=grpo,
+                                          micro_batch_tokens=cfg.micro_batch_tokens), cfg.trainer_ranks, self.run_dir, self.plan)
 
     def learning_rate(self, model_path: str) -> float:
         """cfg.learning_rate, or when None the default for the model (run_config.RunConfig)."""
-        if self.cfg.learning_rate is not None:
-            return self.cfg.learning_rate
         tiny = self.cfg.model_path is None or is_tiny_build(model_path)
-        return TINY_MODEL_LEARNING_RATE if tiny else REAL_MODEL_LEARNING_RATE
+        default = TINY_MODEL_LEARNING_RATE if tiny else REAL_MODEL_LEARNING_RATE
+        return self.cfg.learning_rate if self.cfg.learning_rate is not None else default
 
     def _restore_latest(self, adapters: Path):
-        # A step is complete once its history row is written: a checkpoint saved after the last
-        # row (the server died while loading it) is redone, as it would have been without the loss.
-        last_row = self.history.last["step"] if self.history.last else 0
-        steps = sorted((int(p.name.rsplit("-", 1)[1]) for p in adapters.glob("policy-step-*")
-                        if (p / "trainer_state.json").exists()), reverse=True)
-        steps = [s for s in steps if s <= last_row]
-        if not steps:
-            raise CheckpointError(f"resume=True but {adapters} holds no complete checkpoint; "
-                                  "start without resume or point run_dir at the run to continue")
-        version = load_version(adapters, steps[0])
+        version = latest_checkpoint(adapters, self.history.last["step"] if self.history.last else 0)
         self.trainer.load_checkpoint(version.path)
         self.history.truncate(self.trainer.step)
         log.info("resumed %s at step %d", self.run_dir, self.trainer.step)

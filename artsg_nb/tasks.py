@@ -174,7 +174,7 @@ _TOOL_CALL = re.compile(r"\s*price\s+(\w+)\s*", re.IGNORECASE)
 
 # No fruit names or digits in the prompt on purpose: for a tiny model they are distractors next to
 # the ones in the conversation that it must copy.
-SHOP_SYSTEM_PROMPT = f"""\
+SHOP_SYSTEM_PROMPT = """\
 You are a shopping agent for a fruit shop. Prices change every day. To look up a price, reply \
 with the word price and the fruit's name, nothing else. Then reply with the price in digits only. \
 You have three replies at most."""

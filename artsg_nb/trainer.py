@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file
 # before their first import, and importing Unsloth initialises CUDA, so it waits for the GPU plan
 # (trainer._load_unsloth). Importing artsg_nb.session therefore imports none of them.
 from .checkpoint import CheckpointError, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint_file
-from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss, zero_advantage_groups
+from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
+from .step_stats import StepStats, batch_counts, is_ratio_stats
 
 log = logging.getLogger(__name__)
 
@@ -99,27 +100,39 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(params))
 
+    def close(self) -> None:
+        """Nothing to stop in this process (distributed.RankedTrainer stops its ranks)."""
+
     # ---- one GRPO update -------------------------------------------------------------------
     def train_step(self, groups) -> dict:
         """Advantages → loss → one optimizer step over all valid trajectories of `groups`."""
         batch = self.make_batch(groups)
+        stats = self.backward(batch)
+        return {**stats.result(), "grad_norm": self.optimizer_step(), **batch_counts(batch)}
+
+    def backward(self, batch: Batch, part: Batch | None = None) -> StepStats:
+        """Forward and backward of `part` of `batch` (all of it by default) in micro-batches,
+        each loss normalised by the *whole* batch's sequences / completion tokens, so the
+        gradients of disjoint parts add up to the whole batch's (distributed.ddp_train_step)."""
         n_seq = batch.input_ids.shape[0]
         n_items = batch.completion_mask.sum().clamp(min=1)
-        stats = _Accumulator()
+        stats = StepStats()
         self.model.train()
-        for mb in self.micro_batches(batch):
+        for mb in self.micro_batches(batch if part is None else part):
             loss, metrics, logps = self.micro_batch_loss(mb, n_seq, n_items)
             loss.backward()
             stats.add(loss.item(), metrics, mb.completion_mask.sum().item(),
-                      _is_stats(logps.detach(), mb.sampling_logps, mb.completion_mask))
+                      is_ratio_stats(logps.detach(), mb.sampling_logps, mb.completion_mask))
+        return stats
+
+    def optimizer_step(self) -> float:
+        """Clip the accumulated gradients, step AdamW, zero them; returns the gradient norm."""
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {**stats.result(), "grad_norm": float(grad_norm), "sequences": n_seq,
-                "zero_adv_groups": zero_advantage_groups(batch.rewards, batch.group_ids),
-                "tokens": int(batch.attention_mask.sum()), "completion_tokens": int(n_items)}
+        return float(grad_norm)
 
     def micro_batches(self, batch: Batch):
         """`batch` in micro-batches of at most micro_batch_tokens tokens, on the trainer's device."""
@@ -359,40 +372,6 @@ def _slice(b: Batch, idx: list[int], device: torch.device) -> Batch:
     pick = lambda t, n: t[idx][:, :n].to(device)  # noqa: E731
     return Batch(pick(b.input_ids, L), pick(b.attention_mask, L), pick(b.completion_mask, L - 1),
                  pick(b.sampling_logps, L - 1), b.advantages[idx].to(device), b.rewards[idx], b.group_ids[idx])
-
-
-def _is_stats(logps, sampling_logps, mask) -> tuple[float, float, float, int]:
-    """Σ, min, max of the token-level ratio π_θ / π_server on model tokens (on-policy ≈ 1)."""
-    sel = mask.bool() & torch.isfinite(sampling_logps)
-    if not sel.any():
-        return 0.0, math.inf, -math.inf, 0
-    r = torch.exp(logps[sel] - sampling_logps[sel])
-    return float(r.sum()), float(r.min()), float(r.max()), int(sel.sum())
-
-
-class _Accumulator:
-    """Sums micro-batch losses, token-weights metrics, and tracks IS ratio extremes."""
-
-    def __init__(self):
-        self.loss, self.weight, self.metrics = 0.0, 0.0, {}
-        self.is_sum, self.is_n, self.is_min, self.is_max = 0.0, 0, math.inf, -math.inf
-
-    def add(self, loss: float, metrics: dict, tokens: float, is_stats) -> None:
-        self.loss += loss
-        self.weight += tokens
-        for k, v in metrics.items():
-            if k != "tokens" and isinstance(v, (int, float)) and math.isfinite(v):
-                self.metrics[k] = self.metrics.get(k, 0.0) + v * tokens
-        s, lo, hi, n = is_stats
-        self.is_sum, self.is_n = self.is_sum + s, self.is_n + n
-        self.is_min, self.is_max = min(self.is_min, lo), max(self.is_max, hi)
-
-    def result(self) -> dict:
-        w = max(self.weight, 1.0)
-        out = {"loss": self.loss, **{k: v / w for k, v in self.metrics.items()}}
-        if self.is_n:
-            out.update(is_ratio_mean=self.is_sum / self.is_n, is_ratio_min=self.is_min, is_ratio_max=self.is_max)
-        return out
 
 
 def _jsonable(x):

@@ -67,3 +67,71 @@ def test_two_gloo_ranks_update_the_lora_like_one_process(tiny_model_dir, tmp_pat
     assert worst < 1e-4, f"DDP update differs from one process by {worst:.2e}"
     metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
     assert metrics["ranks"] == 2 and metrics["loss"] == pytest.approx(single["loss"], rel=1e-4, abs=1e-6)
+
+
+# ---- RunConfig(trainer_ranks=2): the kernel is rank 0, one worker process is rank 1 --------------
+def _run_config(tiny_model_dir, run_dir, **kw):
+    from artsg_nb.session import RunConfig
+    return RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), run_dir=str(run_dir),
+                     group_size=4, groups_per_step=4, verbose=False, **kw)
+
+
+@pytest.mark.slow
+def test_a_run_with_two_trainer_ranks_trains_like_one(tiny_model_dir, tmp_path):
+    """Same seed, same rollouts: two trainer ranks give the one-rank run's step-1 adapter and loss,
+    the rank process lives across steps and is gone after stop()."""
+    import asyncio
+
+    from artsg_nb.distributed import RankedTrainer
+    from artsg_nb.session import GRPORun
+
+    rows = {}
+    for ranks in (1, 2):
+        with GRPORun(_run_config(tiny_model_dir, tmp_path / f"r{ranks}", trainer_ranks=ranks)) as run:
+            assert isinstance(run.trainer, RankedTrainer) == (ranks == 2)
+            rows[ranks] = [asyncio.run(run.step()) for _ in range(2)]
+            if ranks == 2:
+                worker = run.trainer.workers.procs[0]
+                assert worker.poll() is None, "the rank process did not live across steps"
+        if ranks == 2:
+            assert worker.poll() is not None, "the rank process outlived run.stop()"
+            rank_log = (tmp_path / "r2" / "trainer-rank1.log").read_text()
+            assert "command 2: train" in rank_log and "command 3: stop" in rank_log
+    one, two = rows[1][0], rows[2][0]
+    assert two["trainer_ranks"] == 2 and "trainer_ranks" not in one
+    assert two["reward_mean"] == one["reward_mean"], "the rollouts differ: the comparison would prove nothing"
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-3)
+    assert two["is_ratio_mean"] == pytest.approx(one["is_ratio_mean"], abs=1e-4)
+    a = load_file(tmp_path / "r1" / "adapters" / "policy-step-1" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "r2" / "adapters" / "policy-step-1" / "adapter_model.safetensors")
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-4, f"two ranks' step-1 adapter differs from one rank's by {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_a_dead_trainer_rank_fails_the_step_with_its_log_and_a_resume_continues(tiny_model_dir, tmp_path):
+    import asyncio
+    import os
+    import signal
+
+    from artsg_nb.distributed import DistributedError
+    from artsg_nb.session import GRPORun
+
+    run = GRPORun(_run_config(tiny_model_dir, tmp_path / "run", trainer_ranks=2)).start()
+    try:
+        asyncio.run(run.step())
+        worker = run.trainer.workers.procs[0]
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=10)
+        with pytest.raises(DistributedError, match=r"rank 1 .*trainer-rank1\.log"):
+            asyncio.run(run.step())
+    finally:
+        run.stop()
+    # Nothing lost: step 1 stays, and a resumed run (rank 1 loads the checkpoint too) goes on.
+    with GRPORun(_run_config(tiny_model_dir, tmp_path / "run", trainer_ranks=2, resume=True)) as run:
+        assert run.trainer.step == 1
+        row = asyncio.run(run.step())
+        assert row["step"] == 2 and row["trainer_ranks"] == 2
+        assert list(run.history.df["step"]) == [1, 2]
+    assert "command 1: load" in (tmp_path / "run" / "trainer-rank1.log").read_text()

@@ -4,7 +4,8 @@ What it does: `write_rollouts(run_dir, step, groups)` writes `<run_dir>/rollouts
 line per trajectory (group seed and index, member index, the messages of every turn, the
 completion text, reward, finish reasons, prompt/completion token counts, error, adapter), written
 to a temporary file and renamed, so a file is whole or absent. `read_samples(run_dir, step, k)`
-reads one step's file back as a pandas DataFrame; `samples_frame(groups)` is the same table built
+reads one step's file back as a pandas DataFrame, `read_rollouts(run_dir)` every step's (the
+charts' input); `samples_frame(groups)` is the same table built
 from groups in memory (evaluation uses it). `constant_groups(groups)` counts groups whose valid
 members all have one reward (zero advantage: no learning signal) and says whether the step has
 nothing at all to learn from.
@@ -15,12 +16,15 @@ signal; trainer.py and grpo.py compute the loss) or talk to a server.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
+
+log = logging.getLogger(__name__)
 
 ROLLOUTS_DIR = "rollouts"
 """Folder of run_dir holding one `step-N.jsonl` per step."""
@@ -92,10 +96,35 @@ def read_samples(run_dir: str | Path, step: int | None = None, k: int | None = N
     path = rollouts_path(run_dir, step)
     if not path.exists():
         raise FileNotFoundError(f"no rollouts for step {step} ({path}); saved steps: {steps or 'none'}")
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    df = samples_frame(records)
+    df = samples_frame(read_jsonl(path))
     return df.head(k) if k is not None else df
+
+
+def read_rollouts(run_dir: str | Path | None, steps: Sequence[int] | None = None) -> pd.DataFrame:
+    """Every trajectory of every step's file (only `steps` when given) in one DataFrame, with
+    SAMPLE_COLUMNS (empty, with those columns, when there are none or run_dir is None); reward
+    and token counts numeric. What the charts read (plots.load_rollouts)."""
+    saved = saved_steps(run_dir) if run_dir is not None else []
+    wanted = saved if steps is None else [s for s in saved if s in {int(x) for x in steps}]
+    records = [{"step": step, **r} for step in wanted for r in read_jsonl(rollouts_path(run_dir, step))]
+    df = pd.DataFrame(records)
+    df = df.reindex(columns=[*SAMPLE_COLUMNS, *(c for c in df.columns if c not in SAMPLE_COLUMNS)])
+    for name in ("reward", "prompt_tokens", "completion_tokens"):
+        df[name] = pd.to_numeric(df[name], errors="coerce")
+    return df
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a .jsonl file; a line that does not parse (cut off by a crash) is skipped."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s line %d is not JSON (cut off?); skipped", path, number)
+    return rows
 
 
 def constant_groups(groups: Sequence) -> tuple[int, bool]:

@@ -229,7 +229,7 @@ def write_rollouts(run_dir, steps=(1,)):
     folder = run_dir / "rollouts"
     folder.mkdir(parents=True, exist_ok=True)
     for step in steps:
-        rows = [{"step": step, "group_seed": 7, "reward": r, "prompt": "What is 2 + 3?",
+        rows = [{"step": step, "seed": 7, "reward": r, "prompt": "What is 2 + 3?",
                  "completion": "5" if r else "The sum is 5." + " long" * 60, "finish_reason": "stop",
                  "prompt_tokens": 12, "completion_tokens": 2 + 10 * (r == 0)} for r in (1.0, 0.0, 1.0, 0.5)]
         (folder / f"step-{step}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{cut off")

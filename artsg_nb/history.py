@@ -20,6 +20,8 @@ from typing import Any
 
 import pandas as pd
 
+from .metrics import theoretical_hit_rate
+
 logger = logging.getLogger(__name__)
 
 HISTORY_FILE = "history.jsonl"
@@ -29,7 +31,7 @@ HISTORY_FILE = "history.jsonl"
 COLUMNS: tuple[str, ...] = (
     "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
     "is_ratio_mean", "is_ratio_min", "is_ratio_max", "tokens", "completion_tokens",
-    "rollout_s", "train_s", "reload_s", "hit_rate", "zero_adv_groups", "failed_rollouts",
+    "rollout_s", "train_s", "reload_s", "hit_rate", "theoretical_hit_rate", "zero_adv_groups", "failed_rollouts",
     "reward_errors", "truncated", "release_s", "resume_s", "eval_reward", "eval_pass_at_k",
 )
 # release_s / resume_s: seconds to give the server's GPU memory back before training and take it
@@ -130,7 +132,8 @@ class History:
         if _present(row.get("loss")):
             parts.append(f"loss {row['loss']:.3g}")
         if _present(row.get("hit_rate")):
-            parts.append(f"hit {row['hit_rate']:.2f}")
+            best = row.get("theoretical_hit_rate")
+            parts.append(f"hit {row['hit_rate']:.2f}" + (f" of {best:.2f}" if _present(best) else ""))
         for key in ("rollout_s", "release_s", "train_s", "resume_s", "reload_s"):
             if _present(row.get(key)):
                 parts.append(f"{key[:-2]} {_format_seconds(row[key])}")
@@ -218,6 +221,7 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: fl
             "is_ratio_max": metrics.get("is_ratio_max"), "grad_norm": metrics.get("grad_norm"),
             "tokens": metrics.get("tokens"), "completion_tokens": metrics.get("completion_tokens"),
             "rollout_s": rollout_s, "train_s": train_s, "reload_s": reload_s, "hit_rate": hit_rate,
+            "theoretical_hit_rate": theoretical_hit_rate(groups),
             "release_s": memory_s[0], "resume_s": memory_s[1],
             "zero_adv_groups": metrics.get("zero_adv_groups"), "groups": len(groups),
             "update_skipped": bool(metrics.get("update_skipped")),

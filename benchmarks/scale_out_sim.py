@@ -29,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from artsg_nb.metrics import theoretical_hit_rate
 from artsg_nb.session import GRPORun, RunConfig
 
 
@@ -39,22 +38,11 @@ def run_n(n: int, a, root: Path) -> list[dict]:
                     verify_adapter=False, verbose=False, max_new_tokens=a.max_new_tokens)
     rows = []
     with GRPORun(cfg) as run:
-        batches = []
-        real = run._rollouts
-
-        async def recording(step):
-            groups, hit = await real(step)
-            batches.append(groups)
-            return groups, hit
-
-        run._rollouts = recording
         for k in range(a.steps + 1):
             t0 = time.perf_counter()
             row = asyncio.run(run.step())
             row["step_s"] = time.perf_counter() - t0
-            row["theoretical_hit_rate"] = theoretical_hit_rate(batches[-1])
-            done = sum(sum(t.completion_mask) for g in batches[-1] for t in g.trajectories if t.error is None)
-            row["rollout_tok_s"] = done / row["rollout_s"]
+            row["rollout_tok_s"] = row["completion_tokens"] / row["rollout_s"]
             row["num_servers"] = n
             if k > 0:  # the first step warms up the engines and loads the first adapter
                 rows.append(row)

@@ -167,6 +167,14 @@ def test_plot_turn_hit_rates_groups_bars_by_schedule():
     assert len(plots.plot_turn_hit_rates(table).axes[0].patches) == 2
 
 
+def test_hit_rate_panel_ticks_each_steps_theoretical_maximum():
+    df = history_df(4).assign(theoretical_hit_rate=[0.875, 0.875, np.nan, 0.8])
+    ax = plots.plot_hit_rate(df)
+    [ticks] = [c for c in ax.collections if c.get_label() == "theoretical"]
+    assert [round(seg[0][1], 3) for seg in ticks.get_segments()] == [0.875, 0.875, 0.8]  # none for the NaN step
+    assert not [c for c in plots.plot_hit_rate(history_df(4)).collections if c.get_label() == "theoretical"]
+
+
 def test_hit_rate_panel_draws_a_line_per_worker():
     df = history_df(3)
     df["worker_hit_rates"] = [[0.7, 0.8], [0.75, None], [0.72, 0.81]]  # a step where worker 1 got nothing

@@ -90,13 +90,20 @@ def plot_is_ratio(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
 
 
 def plot_hit_rate(df: pd.DataFrame, ax: Axes | None = None, theoretical: float | None = None) -> Axes:
-    """Prefix-cache hit rate of each step (bars, labelled), the theoretical maximum dashed.
+    """Prefix-cache hit rate of each step (bars, labelled), the theoretical maximum dashed: each
+    step's own (history's theoretical_hit_rate) as a tick over its bar, or `theoretical` as a line.
 
     Each step serves a new adapter, and the cache is keyed by adapter, so the rate is per step.
     """
     ax = axes_for(ax, "prefix-cache hit rate per step", "hit rate")
     step, rate = column(df, "hit_rate")
-    if theoretical is not None and np.isfinite(theoretical):
+    _, best = column(df, "theoretical_hit_rate")
+    if theoretical is None and has_data(best):
+        ok = np.isfinite(best)
+        ax.hlines(best[ok], step[ok] - 0.3, step[ok] + 0.3, colors="black", linestyles="--", linewidth=1,
+                  label="theoretical", zorder=3)
+        ax.legend(loc="lower right", fontsize="x-small")
+    elif theoretical is not None and np.isfinite(theoretical):
         ax.axhline(theoretical, color="black", linestyle="--", linewidth=1,
                    label=f"theoretical {theoretical:.2f}")
         ax.legend(loc="lower right", fontsize="x-small")

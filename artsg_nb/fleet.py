@@ -285,10 +285,6 @@ def start_fleet(configs: Sequence[ServerConfig], run_dir: str | Path, policy: st
     return Fleet(configs, run_dir, policy).start()
 
 
-TP_FLAGS = {"sglang": "--tp-size", "vllm": "--tensor-parallel-size"}
-"""The tensor-parallel flag of each GPU engine (the CPU engine has none)."""
-
-
 def fleet_configs(base: ServerConfig, plan) -> list[ServerConfig]:
     """One config per server of a gpus.GpuPlan: `base` with its own run_dir (`servers/<i>` under
     base's: logs and pid records are per run_dir and engine), its GPUs and memory fraction, and
@@ -298,9 +294,9 @@ def fleet_configs(base: ServerConfig, plan) -> list[ServerConfig]:
     base = replace(base, api_key=resolve_api_key(base))
     configs = []
     for i in range(plan.num_servers):
-        extra = base.extra_args
-        if plan.server_tp > 1 and base.engine in TP_FLAGS:
-            extra = (*extra, TP_FLAGS[base.engine], str(plan.server_tp))
+        extra, tp_flag = base.extra_args, engines.get(base.engine).tp_flag
+        if plan.server_tp > 1 and tp_flag:
+            extra = (*extra, tp_flag, str(plan.server_tp))
         configs.append(replace(base, run_dir=str(Path(base.run_dir) / "servers" / str(i)),
                                gpu_plan=plan.for_server(i), extra_args=extra))
     return configs

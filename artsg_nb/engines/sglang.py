@@ -275,7 +275,7 @@ def validate(cfg) -> None:
 SPEC = EngineSpec(
     name="sglang", client_class=SGLangClient, entry="sglang.launch_server", package="sglang",
     launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER,
-    auth_probe="/model_info",
+    auth_probe="/model_info", tp_flag="--tp-size",
     python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",
     conda_env="artsg-server", venv_dir=".venv-server",
     create_commands=("conda env create -f environment-server.yml", "make server-env"),

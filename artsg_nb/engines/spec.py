@@ -36,6 +36,9 @@ class EngineSpec:
     """ServerConfig fields the engine has no flag for (logged when set, not fatal)."""
     startup_timeout_s: float = 600.0
     """Default seconds to wait for /health (a first GPU start compiles kernels)."""
+    tp_flag: str | None = None
+    """The tensor-parallel flag (a server over several GPUs, gpus.plan_gpus(server_tp=)); None:
+    the engine has none (the CPU engine)."""
     api_key_env: str | None = None
     """Variable the server reads its API key from. The key never goes on the command line:
     /proc/<pid>/cmdline is readable by every local user. None: the engine cannot take a key."""

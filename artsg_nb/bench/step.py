@@ -1,7 +1,7 @@
 """Step benchmark: N GRPO steps of one job through artsg_nb and through TRL's GRPOTrainer.
 
-    python -m artsg_nb.bench.step --engine sglang --model /path/SmolLM2-135M-Instruct \\
-        --max-new-tokens 8,256 --steps 10 --frameworks artsg_nb,trl
+    python -m artsg_nb.bench.step --engine sglang --model-path /path/SmolLM2-135M-Instruct \\
+        --max-new-tokens 8 256 --steps 10 --frameworks artsg_nb trl
 
 The job is the same on both sides: the addition task's prompts (chat-templated: artsg_nb renders
 them itself, TRL gets them as conversations), its reward (as a TRL reward function), LoRA r/alpha
@@ -22,7 +22,6 @@ What it does not do: plot (plots.plot_step_benchmark) or compare engines' raw sp
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -35,10 +34,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import pandas as pd
 import torch
+import tyro
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import TrainerCallback
@@ -67,9 +67,9 @@ FRAMEWORKS = ("artsg_nb", "trl")
 class StepBenchConfig:
     """One step benchmark: which frameworks, which job, how many steps."""
 
-    frameworks: tuple[str, ...] = FRAMEWORKS
+    frameworks: tuple[Literal["artsg_nb", "trl"], ...] = FRAMEWORKS
     """"artsg_nb" and/or "trl"."""
-    engine: str = "cpu"
+    engine: Literal["cpu", "sglang", "vllm"] = "cpu"
     """artsg_nb's server: "sglang", "vllm" or "cpu" (TRL generates in-process either way)."""
     model_path: str | None = None
     """Base model directory; None: the offline tiny model."""
@@ -106,7 +106,7 @@ class StepBenchConfig:
     """CSV path; None: benchmarks/results/<date>-step-<hardware>.csv."""
     results_dir: str = "benchmarks/results"
     """Where the default CSV goes."""
-    extra: dict = field(default_factory=dict)
+    extra: tyro.conf.Suppress[dict] = field(default_factory=dict)
     """Not measured; kept for callers that want to tag a run."""
 
 
@@ -280,7 +280,7 @@ def _leg_in_subprocess(cfg: StepBenchConfig, framework: str, max_new: int) -> di
         cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "row.json"
         cfg_path.write_text(json.dumps(asdict(cfg)))
         cmd = [sys.executable, "-m", "artsg_nb.bench.step", "--leg", f"{framework}:{max_new}",
-               "--leg-config", str(cfg_path), "--leg-out", str(out_path)]
+               str(cfg_path), str(out_path)]
         proc = subprocess.run(cmd)
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"step benchmark leg {framework} max_new_tokens={max_new} failed with exit code "
@@ -319,45 +319,30 @@ def ratios(df: pd.DataFrame) -> pd.DataFrame:
                          "speedup_vs_trl": piv["trl"] / piv["artsg_nb"]})
 
 
-def parse_args(argv: Sequence[str]) -> tuple[StepBenchConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m artsg_nb.bench.step", description=__doc__.split("\n")[0])
-    p.add_argument("--frameworks", default="artsg_nb,trl")
-    p.add_argument("--engine", choices=("cpu", "sglang", "vllm"), default="cpu")
-    p.add_argument("--model", dest="model_path")
-    p.add_argument("--max-new-tokens", default="8,256", help="comma list, one job each")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--groups", type=int, default=16)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument("--schedule")
-    p.add_argument("--verify-adapter", action="store_true")
-    p.add_argument("--api-key")
-    p.add_argument("--run-dir", default="runs/bench-step")
-    p.add_argument("--out")
-    p.add_argument("--leg", help=argparse.SUPPRESS)
-    p.add_argument("--leg-config", help=argparse.SUPPRESS)
-    p.add_argument("--leg-out", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    cfg = StepBenchConfig(frameworks=tuple(f.strip() for f in a.frameworks.split(",")), engine=a.engine,
-                          model_path=a.model_path, max_new_tokens=tuple(int(m) for m in a.max_new_tokens.split(",")),
-                          steps=a.steps, warmup=a.warmup, groups=a.groups, group_size=a.group_size,
-                          learning_rate=a.lr, schedule=a.schedule,
-                          verify_adapter=a.verify_adapter, api_key=a.api_key, run_dir=a.run_dir, out=a.out)
-    return cfg, a
+def parse_args(argv: Sequence[str]) -> StepBenchConfig:
+    """The flags, generated from StepBenchConfig (tyro): `--frameworks artsg_nb trl`,
+    `--max-new-tokens 8 256`, `--model-path DIR`, `--learning-rate`, ... (`--help` lists them)."""
+    return tyro.cli(StepBenchConfig, args=list(argv), prog="python -m artsg_nb.bench.step",
+                    description=__doc__.split("\n")[0])
+
+
+def _leg_main(argv: Sequence[str]) -> None:
+    """A leg's child process: `--leg FRAMEWORK:MAX_NEW CONFIG_JSON OUT_JSON` (_leg_in_subprocess)."""
+    leg, cfg_path, out_path = argv
+    cfg = StepBenchConfig(**json.loads(Path(cfg_path).read_text()))
+    cfg = replace(cfg, frameworks=tuple(cfg.frameworks), max_new_tokens=tuple(cfg.max_new_tokens))
+    framework, max_new = leg.split(":")
+    Path(out_path).write_text(json.dumps(run_leg(cfg, framework, int(max_new))))
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg, a = parse_args(sys.argv[1:] if argv is None else list(argv))
-    if a.leg:  # a child process: one leg, its row as JSON
-        cfg = StepBenchConfig(**{**json.loads(Path(a.leg_config).read_text())})
-        cfg = replace(cfg, frameworks=tuple(cfg.frameworks), max_new_tokens=tuple(cfg.max_new_tokens))
-        framework, max_new = a.leg.split(":")
-        Path(a.leg_out).write_text(json.dumps(run_leg(cfg, framework, int(max_new))))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--leg"]:  # a child process: one leg, its row as JSON
+        _leg_main(argv[1:])
         return None
-    df = run_step_bench(cfg)
+    df = run_step_bench(parse_args(argv))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(df.to_string(index=False))
         r = ratios(df)

@@ -13,8 +13,8 @@ from artsg_nb.grpo import GRPOConfig
 
 
 def test_cli_flags_parse():
-    cfg, _ = step.parse_args(["--engine", "sglang", "--max-new-tokens", "8,256", "--steps", "5",
-                              "--groups", "16", "--group-size", "8", "--frameworks", "trl"])
+    cfg = step.parse_args(["--engine", "sglang", "--max-new-tokens", "8", "256", "--steps", "5",
+                           "--groups", "16", "--group-size", "8", "--frameworks", "trl"])
     assert (cfg.engine, cfg.max_new_tokens, cfg.steps, cfg.groups, cfg.group_size, cfg.frameworks) == (
         "sglang", (8, 256), 5, 16, 8, ("trl",))
     assert cfg.learning_rate == 2e-4

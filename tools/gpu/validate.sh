@@ -63,7 +63,7 @@ for p in "$@"; do
     probe-05b)   phase probe-05b 300 python3 tools/gpu/probe_engine.py --engine sglang --model $BIG --run-dir /tmp/probe-05b --out "$OUT/probe_05b.json" ;;
     tiny)        phase tiny 240 python3 -m artsg_nb.tiny_model $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
-    stepbench)   phase stepbench 560 python3 -m artsg_nb.bench.step --engine sglang --model $SMOL --max-new-tokens 8,256 \
+    stepbench)   phase stepbench 560 python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL --max-new-tokens 8 256 \
                    --steps ${STEP_STEPS:-6} --groups 16 --group-size 8 --run-dir /tmp/runs/step --out "$OUT/step.csv"
                  grep -E 'artsg_nb|trl|ratio|x TRL|speed' "$OUT/stepbench.log" | tail -12 | cut -c1-220 | sed 's/^/    /' ;;
     byo)         phase byo 400 python3 -m papermill notebooks/04_bring_your_own_task.ipynb "$OUT/04_byo.ipynb" \
@@ -79,7 +79,7 @@ for p in "$@"; do
                    -m faults ${FAULTS_K:+-k "$FAULTS_K"} tests/faults
                  grep -E '^faults:|passed|failed' "$OUT/faults-sglang.log" | tail -3 | sed 's/^/    /' ;;
     tests)       phase tests 400 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q -m "gpu or sglang" tests ;;
-    train)       phase train 400 python3 -m artsg_nb.train --engine sglang --model $TINY --steps ${TRAIN_STEPS:-5} --run-dir /tmp/runs/train-sglang ;;
+    train)       phase train 400 python3 -m artsg_nb.train --engine sglang --model-path $TINY --steps ${TRAIN_STEPS:-5} --run-dir /tmp/runs/train-sglang ;;
     notebook)    phase notebook 500 python3 -m artsg_nb.demo --run-dir /tmp/runs/demo-sglang ;;
     bench|bench-vllm)
                  E=sglang; [[ $p == bench-vllm ]] && E=vllm
@@ -88,7 +88,7 @@ for p in "$@"; do
                    --schedule ${BENCH_SCHEDULES:-naive,prefix,prefix_n,n} --radix ${BENCH_RADIX:-$([[ $E == sglang ]] && echo on,off || echo on)} \
                    --repeats ${BENCH_REPEATS:-3} --run-dir /tmp/runs/bench-$E --out "$OUT/bench_$E.csv"
                  grep -E "^ *$E " "$OUT/$p.log" | cut -c1-200 | sed 's/^/    /' ;;
-    train-vllm)  phase train-vllm 400 python3 -m artsg_nb.train --engine vllm --model $BIG --steps ${TRAIN_STEPS:-3} \
+    train-vllm)  phase train-vllm 400 python3 -m artsg_nb.train --engine vllm --model-path $BIG --steps ${TRAIN_STEPS:-3} \
                    --run-dir /tmp/runs/train-vllm ;;
     trainer-tps) phase trainer-tps 300 python3 tools/gpu/trainer_tps.py --model $BIG --out "$OUT/trainer_tps.json" ;;
     memsaver|memsaver-05b)

@@ -21,12 +21,12 @@ Modules, one responsibility each:
 What it does not do: plot (plots.plot_engine_comparison, plots.plot_turn_hit_rates), compute hit
 rates (metrics.py), or decide anything; it reports.
 """
-from .results import (COLUMNS, label_workloads, latest_results, load_results, result_sources, results_table,
-                      summary_table)
+from .results import (COLUMNS, label_workloads, latest_results, load_results, load_step_results, result_sources,
+                      results_table, step_ratios, summary_table)
 from .run import BenchConfig, bench_engines, engine_availability, run_bench
 from .schedules import compare_schedules, held_out_seeds
 from .workloads import SyntheticTask
 
 __all__ = ["COLUMNS", "BenchConfig", "SyntheticTask", "bench_engines", "compare_schedules", "engine_availability",
-           "held_out_seeds", "label_workloads", "latest_results", "load_results", "result_sources", "results_table",
-           "run_bench", "summary_table"]
+           "held_out_seeds", "label_workloads", "latest_results", "load_results", "load_step_results", "result_sources",
+           "results_table", "run_bench", "step_ratios", "summary_table"]

@@ -9,6 +9,8 @@ What it does
   `workload` label per shape (`label_workloads`), the newest file per engine and workload, where
   each file comes from, and the toolkit rows averaged over repeats; `summary_table` is the text
   table the CLI prints.
+- `load_step_results(dir)`, `step_ratios(df)`: the step benchmark's CSVs (bench.step), the newest
+  per hardware, and TRL step / artsg_nb step per job.
 
 What it does not do: measure (bench.run) or draw (plots.plot_engine_comparison).
 """
@@ -77,10 +79,11 @@ def load_results(results_dir: str | os.PathLike, gpu: str | None = None) -> pd.D
     """Every `*.csv` in `results_dir` as one frame, `source` = the file name and `workload` labelled
     (`label_workloads`); empty, with those columns, when there is none. `gpu` keeps rows whose
     gpu/hardware contains it (case-insensitive), e.g. "H200"."""
-    files = sorted(Path(results_dir).glob("*.csv"))
-    if not files:
+    frames = [pd.read_csv(f).assign(source=f.name) for f in sorted(Path(results_dir).glob("*.csv"))]
+    frames = [f for f in frames if {"engine", "mode", "schedule"} <= set(f.columns)]  # not step / scale-out CSVs
+    if not frames:
         return pd.DataFrame(columns=["source", "gpu", *COLUMNS])
-    df = pd.concat([pd.read_csv(f).assign(source=f.name) for f in files], ignore_index=True)
+    df = pd.concat(frames, ignore_index=True)
     if "gpu" not in df:
         df["gpu"] = df.get("hardware")
     if "hardware" not in df:
@@ -113,6 +116,30 @@ def latest_results(df: pd.DataFrame) -> pd.DataFrame:
     dates = df.groupby([*key, "source"], dropna=False)["date"].max().reset_index()
     newest = dates.sort_values("date", na_position="first").groupby(key, dropna=False).tail(1)
     return df.merge(newest[[*key, "source"]], on=[*key, "source"])
+
+
+def load_step_results(results_dir: str | os.PathLike) -> pd.DataFrame:
+    """The newest step benchmark CSV (`*-step-*.csv`, bench.step) of each hardware, one frame with
+    `source` = its file name; empty when there is none."""
+    frames = [pd.read_csv(f).assign(source=f.name) for f in sorted(Path(results_dir).glob("*-step-*.csv"))]
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    newest = df.groupby("hardware")["source"].max()  # file names start with the date
+    return df[df["source"].isin(newest)].reset_index(drop=True)
+
+
+def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """Per hardware and job (max_new_tokens): artsg_nb's median step time and TRL's, and TRL /
+    artsg_nb (the speed-up; > 1 means artsg_nb is faster)."""
+    if df.empty:
+        return pd.DataFrame()
+    index = ["max_new_tokens"] if "hardware" not in df or "source" not in df else ["source", "max_new_tokens"]
+    piv = df.pivot_table(index=index, columns="framework", values="step_s_median")
+    if not {"artsg_nb", "trl"} <= set(piv.columns):
+        return pd.DataFrame()
+    return pd.DataFrame({"artsg_nb_step_s": piv["artsg_nb"], "trl_step_s": piv["trl"],
+                         "speedup_vs_trl": piv["trl"] / piv["artsg_nb"]})
 
 
 def result_sources(df: pd.DataFrame) -> pd.DataFrame:

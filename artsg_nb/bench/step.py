@@ -52,6 +52,7 @@ from ..session import GRPORun
 from ..tasks import AdditionEnv, addition_reward
 from ..tiny_model import default_model_dir
 from ..trainer import LORA_TARGETS
+from .results import step_ratios
 from .run import hardware_name
 
 log = logging.getLogger(__name__)
@@ -309,16 +310,6 @@ def default_path(df: pd.DataFrame, results_dir: str) -> Path:
     return Path(results_dir) / f"{datetime.now():%Y%m%d}-step-{slug}.csv"
 
 
-def ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """Per job (max_new_tokens): artsg_nb's median step time and TRL's, and TRL / artsg_nb (the
-    speed-up; > 1 means artsg_nb is faster)."""
-    piv = df.pivot_table(index="max_new_tokens", columns="framework", values="step_s_median")
-    if not {"artsg_nb", "trl"} <= set(piv.columns):
-        return pd.DataFrame()
-    return pd.DataFrame({"artsg_nb_step_s": piv["artsg_nb"], "trl_step_s": piv["trl"],
-                         "speedup_vs_trl": piv["trl"] / piv["artsg_nb"]})
-
-
 def parse_args(argv: Sequence[str]) -> StepBenchConfig:
     """The flags, generated from StepBenchConfig (tyro): `--frameworks artsg_nb trl`,
     `--max-new-tokens 8 256`, `--model-path DIR`, `--learning-rate`, ... (`--help` lists them)."""
@@ -345,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     df = run_step_bench(parse_args(argv))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(df.to_string(index=False))
-        r = ratios(df)
+        r = step_ratios(df)
         if not r.empty:
             print("\nartsg_nb vs TRL (speedup_vs_trl = TRL step / artsg_nb step):")
             print(r.to_string())

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from artsg_nb.bench import step
+from artsg_nb.bench import load_results, load_step_results, step, step_ratios
 from artsg_nb.grpo import GRPOConfig
 
 
@@ -53,11 +53,26 @@ def test_torch_logprob_matches_log_softmax():
 def test_ratios_and_default_path(tmp_path):
     df = pd.DataFrame([{"framework": "artsg_nb", "max_new_tokens": 8, "step_s_median": 1.0, "hardware": "NVIDIA H200 x1"},
                        {"framework": "trl", "max_new_tokens": 8, "step_s_median": 1.5, "hardware": "NVIDIA H200 x1"}])
-    r = step.ratios(df)
+    r = step_ratios(df)
     assert r.loc[8, "speedup_vs_trl"] == pytest.approx(1.5)
     path = step.default_path(df, str(tmp_path))
     assert path.parent == tmp_path and path.name.endswith("-step-nvidia-h200-x1.csv")
-    assert step.ratios(df[df.framework == "trl"]).empty
+    assert step_ratios(df[df.framework == "trl"]).empty
+
+
+def test_committed_step_results_newest_per_hardware_and_kept_apart(tmp_path):
+    """load_step_results takes each hardware's newest step CSV; load_results (the engine bench's
+    tables) never mixes step CSVs in."""
+    row = {c: 1.0 for c in step.COLUMNS}
+    for name, hw, t in [("20261201-step-h200.csv", "NVIDIA H200 x1", 9.0), ("20261203-step-h200.csv", "NVIDIA H200 x1", 2.0),
+                        ("20261203-step-cpu.csv", "cpu 2 cores", 7.0)]:
+        pd.DataFrame([{**row, "framework": fw, "hardware": hw, "max_new_tokens": 8,
+                       "step_s_median": t * (3 if fw == "trl" else 1)} for fw in ("artsg_nb", "trl")]).to_csv(tmp_path / name, index=False)
+    df = load_step_results(tmp_path)
+    assert sorted(set(df["source"])) == ["20261203-step-cpu.csv", "20261203-step-h200.csv"]
+    r = step_ratios(df)
+    assert list(r["speedup_vs_trl"]) == [pytest.approx(3.0)] * 2 and r.loc[("20261203-step-h200.csv", 8), "artsg_nb_step_s"] == 2.0
+    assert load_results(tmp_path).empty
 
 
 @pytest.mark.slow
@@ -73,4 +88,4 @@ def test_cpu_step_bench_both_frameworks(tmp_path, tiny_model_dir):
         assert row.step_s_median > 0 and row.rollout_s_median > 0 and row.train_s_median > 0
         assert row.tokens_per_step > 0 and 0 <= row.reward_first <= 1 and 0 <= row.reward_last <= 1
     assert saved.loc[0, "reload_s_median"] > 0 and saved.loc[1, "reload_s_median"] == 0
-    assert not math.isnan(step.ratios(df).loc[8, "speedup_vs_trl"])
+    assert not math.isnan(step_ratios(df).loc[8, "speedup_vs_trl"])

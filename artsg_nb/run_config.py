@@ -10,7 +10,9 @@ What it does not do: run anything (session.py).
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
 
 from .engines import memory_tags
 from .grpo import GRPOConfig
@@ -95,7 +97,8 @@ class RunConfig:
     copy of the base weights (--enable-weights-cpu-backup); without one they would be lost."""
     server_args: tuple[str, ...] = ()
     """Extra command-line flags for the server; empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS
-    (e.g. the attention/sampling backends an offline GPU bundle needs)."""
+    (e.g. the attention/sampling backends an offline GPU bundle needs). CLI: one quoted string,
+    --server-args "--attention-backend triton"."""
     api_key: str | None = "auto"
     """The server's API key (server.ServerConfig.api_key): "auto" a random one per start, None
     none (warned: any local user could drive the server)."""
@@ -203,3 +206,22 @@ def resolve_release(cfg: RunConfig, mode: str) -> bool:
                          "server cannot give its GPU memory back while it samples the next step's rollouts during the "
                          "update. Use one of them: release_memory=False to pipeline, or pipeline=False to release.")
     return release
+
+
+def glue_flag_values(argv: Sequence[str], names: Sequence[str]) -> list[str]:
+    """`--name VALUE` → `--name=VALUE` for the flags in `names` whose value is itself server flags
+    ("--attention-backend triton"): the CLI parser would take such a VALUE for an option."""
+    out, it = [], iter(argv)
+    for arg in it:
+        if arg in names:
+            value = next(it, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
+def split_flags(values: Sequence[str]) -> tuple[str, ...]:
+    """Server flags given as quoted strings ("--attention-backend triton") as argv items, split
+    as a shell would."""
+    return tuple(part for value in values for part in shlex.split(value))

@@ -26,12 +26,13 @@ import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
 from .dataset_tasks import DatasetColumnError
+from .distributed import DistributedError
 from .engines import AdapterRankError, MemorySaverError
 from .gpus import CudaAlreadyInitializedError, NoGpuError
 from .lora import AdapterSaveError
 from .plots import save_training_plot
 from .rollout import NoRewardError
-from .run_config import ConfigMismatchError
+from .run_config import ConfigMismatchError, glue_flag_values, split_flags
 from .server import ServerError
 from .server_env import ServerEnvNotFoundError
 from .session import GRPORun, RunConfig, ServerLostError
@@ -66,8 +67,9 @@ def _task_flag(type_info: PrimitiveTypeInfo) -> PrimitiveConstructorSpec | None:
 def parse_args(argv=None) -> TrainArgs:
     argv = sys.argv[1:] if argv is None else list(argv)
     with _REGISTRY:
-        args = tyro.cli(TrainArgs, args=argv, prog="python -m artsg_nb.train",
+        args = tyro.cli(TrainArgs, args=glue_flag_values(argv, ["--server-args"]), prog="python -m artsg_nb.train",
                         description=__doc__.splitlines()[0])
+    args.run = replace(args.run, server_args=split_flags(args.run.server_args))  # "--a b" → ("--a", "b")
     if not any(a == "--run-dir" or a.startswith("--run-dir=") for a in argv):
         name = resolve_task(args.run.task).name if ":" in str(args.run.task) else args.run.task
         args.run = replace(args.run, run_dir=f"runs/{name}")
@@ -82,7 +84,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     """Errors whose message already says what happened and what to try: no traceback for them."""
     return (UnknownTaskError, ServerEnvNotFoundError, NoGpuError, CudaAlreadyInitializedError, ServerError,
             ServerLostError, AdapterSaveError, AdapterRankError, CheckpointError, MemorySaverError,
-            DatasetColumnError, NoRewardError, ConfigMismatchError)
+            DatasetColumnError, NoRewardError, ConfigMismatchError, DistributedError)
 
 
 def main(argv=None) -> int:

@@ -129,6 +129,15 @@ def test_cli_flags_come_from_the_dataclasses(user_module):
     assert parse_args([]).run.run_dir == "runs/addition"
 
 
+def test_cli_server_args_take_server_flags():
+    """A server flag as the value (--server-args "--attention-backend triton") is not taken for an
+    option of ours, and reaches the server as separate argv items."""
+    from artsg_nb.train import parse_args
+    args = parse_args(["--server-args", "--attention-backend triton --sampling-backend pytorch", "--steps", "2"])
+    assert args.run.server_args == ("--attention-backend", "triton", "--sampling-backend", "pytorch")
+    assert args.steps == 2 and parse_args([]).run.server_args == ()
+
+
 def test_cli_user_errors_exit_1_without_traceback(user_module, capsys, tmp_path):
     assert main(["--task", f"{user_module}:nope", "--run-dir", str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err

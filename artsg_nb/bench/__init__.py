@@ -6,7 +6,7 @@ httpx as the raw-engine baseline, and come back as one DataFrame row per run, sa
 date, hardware, engine version and flags.
 
     python -m artsg_nb.bench --engine cpu --groups 2 --group-size 4 --prompt-tokens 256 \\
-        --new-tokens 16 --schedule naive,prefix,n
+        --new-tokens 16 --schedules naive prefix n
 
 Modules, one responsibility each:
     run         BenchConfig, run_bench (servers, runs, measurements), bench_engines,

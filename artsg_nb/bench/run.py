@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import pandas as pd
 import pynvml
 import torch
+import tyro
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,8 +53,8 @@ log = logging.getLogger(__name__)
 class BenchConfig:
     """One benchmark invocation (the CLI flags, one field each)."""
 
-    engine: str = "cpu"
-    """"cpu", "sglang" or "vllm"."""
+    engine: Literal["cpu", "sglang", "vllm"] = "cpu"
+    """The engine to start (or that answers at server_url)."""
     model_path: str | None = None
     """Model directory; None: the tiny model (cpu) or its 0.5B-shaped sibling (GPU engines)."""
     groups: int = 8
@@ -97,8 +98,8 @@ class BenchConfig:
     empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as every start_server does (server.with_env_args)."""
     out: str | None = None
     """CSV path; None: benchmarks/results/<date>-<engine>-<hardware>.csv."""
-    flags: str = ""
-    """The command line, recorded in each row."""
+    flags: tyro.conf.Suppress[str] = ""
+    """The command line, recorded in each row (set by the CLI)."""
     workload: str | None = None
     """A short label for the workload's shape (e.g. "A"), recorded in each row; the notebook
     shows it before the shape (bench.results.label_workloads)."""

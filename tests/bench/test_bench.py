@@ -12,12 +12,12 @@ from artsg_nb.bench.__main__ import parse_args
 
 
 def test_cli_flags_parse():
-    cfg = parse_args(["--engine", "sglang", "--groups", "3", "--schedule", "naive, prefix_n",
-                      "--radix", "on,off", "--no-raw", "--extra-args", "--attention-backend triton",
-                      "--workload", "A"])
+    argv = ["--engine", "sglang", "--groups", "3", "--schedules", "naive", "prefix_n", "--radix", "True", "False",
+            "--no-raw", "--extra-args", "--attention-backend triton", "--workload", "A"]
+    cfg = parse_args(argv)
     assert (cfg.engine, cfg.groups, cfg.schedules, cfg.radix, cfg.raw, cfg.workload) == (
         "sglang", 3, ("naive", "prefix_n"), (True, False), False, "A")
-    assert cfg.extra_args == ("--attention-backend", "triton")
+    assert cfg.extra_args == ("--attention-backend", "triton") and cfg.flags == " ".join(argv)
 
 
 @pytest.mark.slow

@@ -83,9 +83,9 @@ for p in "$@"; do
     notebook)    phase notebook 500 python3 -m artsg_nb.demo --run-dir /tmp/runs/demo-sglang ;;
     bench|bench-vllm)
                  E=sglang; [[ $p == bench-vllm ]] && E=vllm
-                 phase "$p" "${BENCH_LIMIT_S:-500}" python3 -m artsg_nb.bench --engine $E --model $BIG --groups 8 --group-size 8 \
+                 phase "$p" "${BENCH_LIMIT_S:-500}" python3 -m artsg_nb.bench --engine $E --model-path $BIG --groups 8 --group-size 8 \
                    --prompt-tokens 1500 --new-tokens 128 --no-stream-all --workload A_nostream \
-                   --schedule ${BENCH_SCHEDULES:-naive,prefix,prefix_n,n} --radix ${BENCH_RADIX:-$([[ $E == sglang ]] && echo on,off || echo on)} \
+                   --schedules ${BENCH_SCHEDULES:-naive prefix prefix_n n} --radix ${BENCH_RADIX:-$([[ $E == sglang ]] && echo True False || echo True)} \
                    --repeats ${BENCH_REPEATS:-3} --run-dir /tmp/runs/bench-$E --out "$OUT/bench_$E.csv"
                  grep -E "^ *$E " "$OUT/$p.log" | cut -c1-200 | sed 's/^/    /' ;;
     train-vllm)  phase train-vllm 400 python3 -m artsg_nb.train --engine vllm --model-path $BIG --steps ${TRAIN_STEPS:-3} \

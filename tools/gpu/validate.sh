@@ -23,6 +23,8 @@
 #               after, release/resume seconds (tools/gpu/memsaver.py; needs .whl-tms carried);
 #               prints its stage lines and a `memsaver:` summary, writes $OUT/memsaver_tiny.json
 #   memsaver-05b  the same on the 0.5b model ($OUT/memsaver_05b.json)
+#   reload      benchmarks/reload_profile.py on SGLang with SmolLM2 r16: save / checksum / fsync / load /
+#               first request, run_dir on disk vs /dev/shm (issue 17's reload target), $OUT/reload.csv
 #   scale-out   GRPO steps with 1 then 2 SGLang servers on this GPU behind sglang-router (0.35 of its
 #               memory each), benchmarks/scale_out_gpu.py: step time, rollout tok/s, hit rate per
 #               worker, $OUT/scale_out.csv (needs sglang-router from .whl-extra)
@@ -98,6 +100,8 @@ for p in "$@"; do
                    [ -f $M/config.json ] || python3 -m artsg_nb.tiny_model $M --size $SIZE || exit 4
                    python3 tools/gpu/memsaver.py --model $M --run-dir /tmp/runs/memsaver-$TAG --out $OUT/memsaver_$TAG.json --budget-s $MB"
                  grep -E '^(PASS|FAIL|SKIP) |^memsaver:' "$OUT/$p.log" | cut -c1-400 | sed 's/^/    /' ;;
+    reload)      phase reload 300 python3 benchmarks/reload_profile.py --model $SMOL --engine sglang \
+                   --dirs /tmp/runs/reload /dev/shm/artsg-reload --out "$OUT/reload.csv" ;;
     scale-out)   phase scale-out 540 python3 benchmarks/scale_out_gpu.py --model $TINY --out "$OUT/scale_out.csv"
                  grep -E '^\|' "$OUT/scale-out.log" | sed 's/^/    /' ;;
     *) echo "unknown phase $p"; FAILS=$((FAILS + 1)) ;;

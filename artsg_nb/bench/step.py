@@ -155,6 +155,12 @@ async def artsg_leg(cfg: StepBenchConfig, max_new: int) -> dict:
     finally:
         run.stop()
     col = lambda k: [float(r[k]) if r.get(k) is not None else float("nan") for r in rows]  # noqa: E731
+    skipped = sum(bool(r.get("update_skipped")) for r in rows)
+    if skipped:  # TRL computes a zero gradient for such a step; the train medians are not the same work
+        log.warning("artsg_nb skipped the update on %d of %d steps (max_new_tokens=%d): every group's rewards "
+                    "were equal, so no gradient. Its train/reload medians are not comparable with TRL's; try "
+                    "more groups, a larger group_size or more tokens until the job has a reward signal",
+                    skipped, len(rows), max_new)
     return _leg_result(cfg, "artsg_nb", cfg.engine, max_new, step_s, col("rollout_s"), col("train_s"),
                        col("reload_s"), col("tokens"), col("reward_mean"))
 

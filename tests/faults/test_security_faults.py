@@ -81,7 +81,7 @@ def test_default_server_requires_a_key_that_no_argv_shows(tmp_path, model_dir, p
                 return await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0))
         assert len(asyncio.run(generate())[0].output_ids) == 2
 
-        records = [tmp_path / "cpu.server.json", *private_server_records.glob("*.json")]
+        records = [tmp_path / f"{fault_engine}.server.json", *private_server_records.glob("*.json")]
         assert len(records) == 2 and all(mode(p) == 0o600 for p in records), [oct(mode(p)) for p in records]
         assert all(json.loads(p.read_text())["api_key"] == key for p in records)
         assert mode(server.log_path) == 0o600  # SGLang prints its arguments, key included, to the log

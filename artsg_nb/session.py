@@ -194,7 +194,10 @@ class GRPORun(ServerRecovery, PipelinedSteps):
             # between them adds a few hundred prompt tokens); this is the first window's start.
             self.tracker.add_sample(await self.client.metrics_text())
         step = self.trainer.step + 1
+        log.info("step %d: rollouts under %s", step, self.adapter)  # phases in the log: a stall names its phase
         groups, hit_rate, rollout_s = await self._step_rollouts(step)  # pipeline.py: maybe sampled ahead
+        log.info("step %d: %d groups in %.2f s; update%s", step, len(groups), rollout_s,
+                 " (server memory released around it)" if self.release else "")
         require_rewards(groups)
         write_rollouts(self.run_dir, step, groups)
         n_constant, no_signal = constant_groups(groups)
@@ -202,6 +205,7 @@ class GRPORun(ServerRecovery, PipelinedSteps):
             metrics, train_s, memory_s, (version, reload_s, probe) = self._skip_update(n_constant)
         else:
             metrics, train_s, memory_s = await self._step_train(groups, step)
+            log.info("step %d: update in %.2f s; save and reload", step, train_s)
             version, reload_s, probe = await self._save_and_reload(groups)
         row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
                        memory_s, self.restarts)

@@ -16,6 +16,7 @@ traceback and exits with status 1.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -96,6 +97,9 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
+    # ARTSG_LOG_LEVEL=INFO shows each step's phases (session.py) and the servers' starts.
+    logging.basicConfig(level=os.environ.get("ARTSG_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(name)s: %(message)s")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # "--task mymod:task" finds mymod.py where the command runs
     a = parse_args(argv)

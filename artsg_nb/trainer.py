@@ -118,6 +118,8 @@ class Trainer:
         n_items = batch.completion_mask.sum().clamp(min=1)
         stats = StepStats()
         self.model.train()
+        log.info("trainer: forward/backward of %d of %d sequences (%d tokens) on %s", (part or batch).input_ids.shape[0],
+                 n_seq, int((part or batch).attention_mask.sum()), self.device)
         for mb in self.micro_batches(batch if part is None else part):
             loss, metrics, logps = self.micro_batch_loss(mb, n_seq, n_items)
             loss.backward()

@@ -132,8 +132,7 @@ class History:
         if _present(row.get("loss")):
             parts.append(f"loss {row['loss']:.3g}")
         if _present(row.get("hit_rate")):
-            best = row.get("theoretical_hit_rate")
-            parts.append(f"hit {row['hit_rate']:.2f}" + (f" of {best:.2f}" if _present(best) else ""))
+            parts.append(f"hit {row['hit_rate']:.2f}")
         for key in ("rollout_s", "release_s", "train_s", "resume_s", "reload_s"):
             if _present(row.get(key)):
                 parts.append(f"{key[:-2]} {_format_seconds(row[key])}")

@@ -159,8 +159,10 @@ def theoretical_hit_rate(groups: Sequence, by_turn: bool = False) -> float | Non
     prompt is reusable in full when an identical one came earlier in the batch (every copy but
     the first, across groups too: identical prompts share one cache entry); at turn k > 1 the
     episode's own history up to the end of reply k-1 is reusable. An upper bound up to one token
-    per request (engines recompute the last prompt token to get its logits); episodes whose
-    replies happen to coincide can beat it slightly, since their histories share more.
+    per request (engines recompute the last prompt token to get its logits); a radix cache can
+    beat it where different prompts share a prefix (a system prompt, the chat template) or
+    episodes' replies coincide: it counts the reuse GRPO's groups and multi-turn histories make
+    certain, which a schedule can reach, not every coincidence.
 
     Returns the rate over all turns (None when there is no prompt token), or with `by_turn` a
     dict turn (1, 2, ...) → that turn's rate.

@@ -90,8 +90,6 @@ def test_format_row():
                                "reload_s": 0.04, "failed_rollouts": 0})
     assert line == ("step 12 | reward 0.41 ± 0.10 | loss 0.012 | hit 0.86 | rollout 3.1 s | "
                     "train 2.0 s | reload 0.04 s")
-    with_best = History.format_row({"step": 1, "hit_rate": 0.86, "theoretical_hit_rate": 0.875})
-    assert with_best == "step 1 | hit 0.86 of 0.88"  # the most a perfect prefix cache could reuse
 
 
 def test_format_row_skips_missing_and_shows_failures():

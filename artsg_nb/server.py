@@ -345,8 +345,9 @@ def exit_status(server) -> str:
 def start_while(start_server, work):
     """(server, work's result): `start_server()` (launch, then /health) runs in a thread while
     `work()` (e.g. loading the trainer) runs here, so start-up costs the longer of the two, not
-    their sum. If `work` fails, the server is stopped once its start returns. When both fail the
-    server's error is raised (it checks the model path and shows the log tail)."""
+    their sum. If `work` fails, the server is stopped once its start returns; if the server fails,
+    work's result is closed (when it has `close`). When both fail the server's error is raised (it
+    checks the model path and shows the log tail)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-server-start") as pool:
         started = pool.submit(start_server)
         try:
@@ -357,7 +358,11 @@ def start_while(start_server, work):
                 raise server_error from work_error
             started.result().stop()
             raise
-        return started.result(), result
+        try:
+            return started.result(), result
+        except BaseException:
+            getattr(result, "close", lambda: None)()  # e.g. a RankedTrainer's rank processes
+            raise
 
 
 def stop_all() -> None:

@@ -44,3 +44,21 @@ def test_when_both_fail_the_server_error_is_raised():
     with pytest.raises(FileNotFoundError, match="model path") as err:
         _in_parallel(server, trainer)
     assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_a_failed_server_closes_the_built_trainer():
+    """A RankedTrainer's rank processes must not outlive a start whose server failed."""
+    class Trainer:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    trainer = Trainer()
+
+    def server():
+        raise FileNotFoundError("model path")
+
+    with pytest.raises(FileNotFoundError, match="model path"):
+        _in_parallel(server, lambda: trainer)
+    assert trainer.closed

@@ -99,6 +99,13 @@ class SamplingParams:
     honoured only with --enable-deterministic-inference, and refused by the flashinfer sampler with
     top-p/top-k; vLLM `seed`; the CPU engine always). None: the server's own random stream."""
 
+    def optional_fields(self, seed_key: str) -> dict:
+        """stop, stop_token_ids and the seed (under the engine's `seed_key`), only those set:
+        engines refuse or misread explicit nulls (SGLang >= 0.5.23 rejects unknown keys)."""
+        fields = {"stop": list(self.stop or ()), "stop_token_ids": list(self.stop_token_ids or ()),
+                  seed_key: self.seed}
+        return {k: v for k, v in fields.items() if v not in (None, [])}
+
 
 @dataclass
 class Generation:

@@ -81,13 +81,7 @@ class SGLangClient(EngineClient):
     def _generate_payload(self, input_ids: list[int], params: SamplingParams, adapter: str | None) -> dict:
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "ignore_eos": params.ignore_eos, "n": params.n}
-        # SGLang >= 0.5.23 rejects unknown sampling keys (400), so send only what is set.
-        if params.stop:
-            sampling["stop"] = list(params.stop)
-        if params.stop_token_ids:
-            sampling["stop_token_ids"] = list(params.stop_token_ids)
-        if params.seed is not None:
-            sampling["sampling_seed"] = params.seed
+        sampling.update(params.optional_fields(seed_key="sampling_seed"))  # only what is set
         payload = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True}
         if adapter is not None:
             payload["lora_path"] = adapter  # the adapter's *name*, despite the field's name

@@ -61,12 +61,7 @@ class VLLMClient(EngineClient):
                    "temperature": params.temperature, "top_p": params.top_p, "n": params.n,
                    "ignore_eos": params.ignore_eos, "return_token_ids": True,
                    "logprobs": 1}  # the sampled token's logprob is always included; top-1 is free
-        if params.stop:
-            payload["stop"] = list(params.stop)
-        if params.stop_token_ids:
-            payload["stop_token_ids"] = list(params.stop_token_ids)
-        if params.seed is not None:
-            payload["seed"] = params.seed
+        payload.update(params.optional_fields(seed_key="seed"))
         return payload
 
     async def _generate(self, input_ids, params, adapter) -> list[Generation]:

@@ -114,6 +114,17 @@ class Fleet:
     def dead(self) -> list[Server]:
         return [s for s in self.servers if not s.alive()]
 
+    def stopped(self) -> bool:
+        """A worker stopped (SIGSTOP): the fleet answers no request routed to it."""
+        return any(s.stopped() for s in self.servers)
+
+    def kill(self) -> None:
+        """SIGKILL the stopped workers (every worker when none is, so a fleet that stopped
+        answering is restarted); the restart logic starts them again."""
+        hung = [s for s in self.servers if s.stopped()] or self.servers
+        for server in hung:
+            server.kill()
+
     def start(self) -> "Fleet":
         try:  # in parallel: each start waits for its own /health (a GPU server: minutes)
             with ThreadPoolExecutor(len(self.servers)) as pool:

@@ -35,6 +35,7 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import psutil
 from tqdm.auto import tqdm
 
 from . import engines, procs
@@ -112,6 +113,26 @@ class Server:
         if self.proc is not None:
             return self.proc.poll() is None
         return self.record is not None and self.record.server_alive()
+
+    def stopped(self) -> bool:
+        """Is the process stopped (SIGSTOP: alive, never answering) or unreadable?"""
+        try:
+            return psutil.Process(self.pid).status() == psutil.STATUS_STOPPED
+        except psutil.Error:
+            return True
+
+    def kill(self) -> None:
+        """SIGKILL the process group (works on a stopped process, where SIGTERM would wait for a
+        SIGCONT), then reap it; the restart logic starts a new one."""
+        try:
+            os.killpg(os.getpgid(self.pid), signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        try:
+            if self.proc is not None:
+                self.proc.wait(timeout=30)
+        except Exception as e:  # noqa: BLE001 — the restart logic reaps it anyway
+            log.warning("server pid %s not reaped after SIGKILL: %s", self.pid, e)
 
     def start(self) -> "Server":
         """Adopt the dead kernel's server of this config, or launch and wait for /health;

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import time
 from contextlib import contextmanager
 
-import psutil
 
 log = logging.getLogger(__name__)
 
@@ -77,29 +74,12 @@ class HealthWatchdog:
             failures += 1
             silent_s = time.monotonic() - answered
             if failures >= MIN_FAILED_POLLS and silent_s >= self.hang_timeout_s:
-                log.error("%s server pid %s has not answered /health for %.1f s (hang_timeout_s=%g); "
-                          "killing its process group so that the step is redone on a restarted server",
-                          server.config.engine, server.pid, silent_s, self.hang_timeout_s)
-                _kill_group(server)
+                log.error("%r has not answered /health for %.1f s (hang_timeout_s=%g); killing its process "
+                          "group so that the step is redone on a restarted server", server, silent_s, self.hang_timeout_s)
+                server.kill()
                 self.fired += 1
                 answered, failures = time.monotonic(), 0
 
     async def _answers(self, server) -> bool:
-        try:
-            if psutil.Process(server.pid).status() == psutil.STATUS_STOPPED:
-                return False
-        except psutil.Error:
-            return False
-        return await self.client_fn().health(timeout_s=self.poll_timeout_s)
-
-
-def _kill_group(server) -> None:
-    """SIGKILL works on a stopped process too (SIGTERM would wait for a SIGCONT)."""
-    try:
-        os.killpg(os.getpgid(server.pid), signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    try:
-        server.proc.wait(timeout=30)
-    except Exception as e:  # noqa: BLE001 — the restart logic reaps it anyway
-        log.warning("server pid %s not reaped after SIGKILL: %s", server.pid, e)
+        """A stopped process (server.Server / fleet.Fleet `stopped()`) never answers."""
+        return not server.stopped() and await self.client_fn().health(timeout_s=self.poll_timeout_s)

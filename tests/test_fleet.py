@@ -58,3 +58,33 @@ def test_steps_through_two_engines_keep_hits_and_survive_a_killed_worker(tiny_mo
         assert row["failed_rollouts"] == 0
         assert _served(run) == [{"policy-step-2"}] * 2
         assert list(run.history.df["step"]) == [1, 2]
+
+
+def test_the_health_watchdog_watches_a_fleet_and_kills_a_stopped_worker(tiny_model_dir, tmp_path):
+    """With num_servers=2 the watchdog polls the fleet (it read a single server's pid and raised
+    AttributeError on the first poll), and a worker SIGSTOPped mid-rollout is killed and restarted."""
+    from dataclasses import replace
+
+    cfg = RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
+                    group_size=4, groups_per_step=4, num_servers=2, max_restarts=2, verbose=False, hang_timeout_s=2.0)
+    with GRPORun(cfg) as run:
+        assert asyncio.run(run.step())["step"] == 1  # polls every 0.33 s through the step
+        victim, make_env, stopped = run.server.servers[1], run.task.factory, []
+
+        def factory(seed):
+            env = make_env(seed)
+            reply_to = env.step
+
+            def step_env(reply):
+                if not stopped:
+                    stopped.append(victim.pid)
+                    os.killpg(victim.pid, signal.SIGSTOP)
+                return reply_to(reply)
+
+            env.step = step_env
+            return env
+
+        run.task = replace(run.task, factory=factory)
+        row = asyncio.run(run.step())
+        assert stopped and run.watchdog.fired >= 1 and row["step"] == 2 and row["failed_rollouts"] == 0
+        assert run.server.alive() and victim.alive() and victim.pid != stopped[0]

@@ -394,15 +394,9 @@ def chat_payload(model: str, messages: list[dict], params: SamplingParams, logpr
     """An OpenAI chat request body; SGLang and vLLM both accept stop_token_ids / ignore_eos."""
     payload = {"model": model, "messages": messages, "max_tokens": params.max_new_tokens,
                "temperature": params.temperature, "top_p": params.top_p, "n": params.n, "logprobs": logprobs}
-    if params.stop:
-        payload["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        payload["stop_token_ids"] = list(params.stop_token_ids)
     if params.ignore_eos:
         payload["ignore_eos"] = True
-    if params.seed is not None:
-        payload["seed"] = params.seed
-    return {**payload, **extra}
+    return {**payload, **params.optional_fields(seed_key="seed"), **extra}
 
 
 

@@ -174,7 +174,8 @@ class Fleet:
         if self.router is None and len(self.servers) == 1 and not self.dropped:
             return self.servers[0].client()
         cfg = self.config
-        front = engines.make_client(cfg.engine, self.url, cfg.model_path, api_key=cfg.api_key)
+        front = engines.make_client(cfg.engine, self.url, cfg.model_path, api_key=cfg.api_key,
+                                    admin_timeout_s=cfg.admin_timeout_s)
         return FleetClient(self, front, [s.client() for s in self.servers])
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -84,7 +84,8 @@ class ServerRecovery:
 
     async def _restart(self, err: Exception) -> None:
         self.restarts += 1
-        log.warning("server lost (%s); restart %d/%d", err, self.restarts, self.cfg.max_restarts)
+        log.warning("server lost (%s); restart %d/%d. Last 10 lines of %s:\n%s", err, self.restarts,
+                    self.cfg.max_restarts, self.server.log_path, self.server.log_tail(10))
         await self.client.aclose()
         self.server.restart()
         self.client = self.server.client()

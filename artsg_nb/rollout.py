@@ -24,7 +24,10 @@ What it does
                    leader has its first token: one follower prefill batch, lock-step decoding.
     "prefix_n"     as "prefix", but the followers go as one request with n = G-1.
     "n"            one request with n = G per group (engine-native parallel sampling; SGLang
-                   primes the cache with a prefill-only copy first, vLLM shares blocks).
+                   primes the cache with a prefill-only copy first, vLLM shares blocks). Under an
+                   adapter on an SGLang with the n > 1 reference bug (sglang#36894, every release
+                   so far) the client sends the same work as that warm-up plus one batch of G
+                   n = 1 samples, whose references balance (engines/sglang.py).
   Only turn 1 is scheduled; later turns extend each episode's own history.
 - Seeds: with `sampling_seed_base`, member i of a group at model turn t is sampled with the seed
   `request_seed(base, group seed, t) + i` (an n-sample request for members i..i+n-1 sends the

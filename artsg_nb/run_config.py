@@ -78,6 +78,10 @@ class RunConfig:
     """A server that answers neither /health nor anything else for this long during a step (hung,
     SIGSTOPped, deadlocked) is killed and restarted like one that died, and the step's server work
     redone; 0 turns the watchdog off (then only the 600 s per-request timeout is left)."""
+    admin_timeout_s: float = 60.0
+    """Seconds an adapter load/unload or memory release/resume may take (each takes well under a
+    second on a healthy server): past it the call fails naming the operation, and the server is
+    restarted and the step redone like after a crash (SGLang 0.5.14's stuck unload, sglang#36894)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in run_dir."""
     verify_adapter: bool = True
@@ -142,7 +146,7 @@ class RunConfig:
 
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
-_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "verify_adapter", "concurrency",
+_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s", "verify_adapter", "concurrency",
                           "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to"})
 """Fields that change how a run is operated, not what it computes: a resumed run may change them."""
@@ -151,7 +155,8 @@ _OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", 
 def resolve_schedule(schedule: str, max_turns: int) -> str:
     """The submission schedule a run uses: "auto" is "n" (one n=G request per group: the shared
     prompt is prefilled once, no streaming, no leader/follower round trip; fastest on SGLang,
-    vLLM and the CPU engine at the same hit rate, benchmarks/results/20261203-0525-*.csv) for
+    vLLM and the CPU engine at the same hit rate, benchmarks/results/20261203-0525-*.csv; on
+    SGLang under an adapter sent as a warm-up plus one balanced batch, sglang#36894) for
     single-turn tasks, "prefix" for multi-turn ones (later turns extend each episode's own
     history); any other value is used as given."""
     if schedule != "auto":

@@ -185,7 +185,8 @@ class Server:
 
     def client(self) -> EngineClient:
         """An async client for this engine (engines.make_client)."""
-        return engines.make_client(self.config.engine, self.url, self.config.model_path, api_key=self.api_key)
+        return engines.make_client(self.config.engine, self.url, self.config.model_path, api_key=self.api_key,
+                                   admin_timeout_s=self.config.admin_timeout_s)
 
     def log_tail(self, n: int = 20) -> str:
         """The last `n` lines this start wrote to the log."""

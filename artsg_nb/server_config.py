@@ -90,6 +90,9 @@ class ServerConfig:
     """Extra environment variables for the server process only."""
     startup_timeout_s: float | None = None
     """Seconds to wait for /health; None: 600 for sglang/vllm (first start compiles), 120 for cpu."""
+    admin_timeout_s: float = 60.0
+    """Seconds an admin call (adapter load/unload, memory release/resume, flush) may take before its
+    client raises AdminTimeoutError naming it (engines.base.ADMIN_TIMEOUT_S)."""
     _command_override: tuple[str, ...] | None = field(default=None, repr=False)
     """Tests only: the command to run instead, with {python}, {host}, {port} filled in."""
 
@@ -179,7 +182,7 @@ def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None,
 
 def config_hash(cfg: ServerConfig) -> str:
     """Hash of what shapes the running server (not the start-up timeout, not GPU memory readings)."""
-    d = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("startup_timeout_s", "gpu_plan")}
+    d = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("startup_timeout_s", "admin_timeout_s", "gpu_plan")}
     d["run_dir"] = str(Path(cfg.run_dir).resolve())
     plan = cfg.gpu_plan
     d["gpu_plan"] = None if plan is None else [plan.server_env(), getattr(plan, "server_mem_fraction", None)]

@@ -24,7 +24,7 @@ import sys
 
 import uvicorn
 
-from .engine import Engine, EngineArgs
+from .engine import FAULTS, Engine, EngineArgs
 from .model import ALL_TARGET_MODULES
 from .routes import create_app
 
@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
     p.add_argument("--max-prefill-tokens", type=int, default=16384)
     p.add_argument("--num-threads", type=int)
     p.add_argument("--skip-server-warmup", action="store_true")
+    p.add_argument("--fault", action="append", default=[], choices=sorted(FAULTS),
+                   help="reproduce a real engine's failure, for fault tests: " +
+                        "; ".join(f"{k}: {v}" for k, v in FAULTS.items()))
+    p.add_argument("--fault-marker", help="a fault fires once: it writes this file, and not again while it exists")
     # SGLang flags that are meaningless here; accepted so a shared launcher can pass them.
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--enable-metrics", action="store_true")
@@ -77,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> EngineArgs:
         api_key=a.api_key or os.environ.pop(API_KEY_ENV, None) or None, random_seed=a.random_seed, log_level=a.log_level,
         max_running_requests=a.max_running_requests, max_prefill_tokens=a.max_prefill_tokens,
         num_threads=a.num_threads, skip_server_warmup=a.skip_server_warmup,
+        faults=tuple(a.fault), fault_marker=a.fault_marker,
         ignored={k: v for k, v in (("enable_lora", a.enable_lora), ("enable_metrics", a.enable_metrics),
                                    ("mem_fraction_static", a.mem_fraction_static)) if v})
 

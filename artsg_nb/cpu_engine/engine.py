@@ -75,8 +75,22 @@ class EngineArgs:
     num_threads: int | None = None
     """torch intra-op threads; default: one less than the CPUs this process may use (max 8)."""
     skip_server_warmup: bool = False
+    faults: tuple[str, ...] = ()
+    """Opt-in faults that reproduce a real engine's failures, for the fault tests (FAULTS)."""
+    fault_marker: str | None = None
+    """With a fault: a file it writes when it fires, and does not fire again while the file exists
+    (so a restarted server comes back healthy, as after a transient wedge). None: every time."""
     ignored: dict = field(default_factory=dict)
     """SGLang flags accepted for compatibility that mean nothing on CPU."""
+
+
+FAULTS = {
+    "lora-n-counter": "SGLang <= 0.5.14's LoRA reference miscount (sglang#36894): each prompt sent with n > 1 "
+                      "under an adapter releases one reference it never took, and unloading that adapter "
+                      "then waits for a count of exactly zero forever, while /health answers",
+    "stuck-unload": "/unload_lora_adapter never answers, while /health answers",
+}
+"""The faults `--fault` can switch on, and what each reproduces."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,7 @@ class Engine:
         self.started_ts = time.time()
         self.memory = MemoryOccupation(args.enable_memory_saver)
         self._control = asyncio.Lock()  # one load/unload at a time
+        self.lora_refs: dict[str, int] = {}  # load id → references net of releases (fault lora-n-counter)
 
     # ---- boot ----------------------------------------------------------------------------
     def boot(self) -> None:
@@ -186,6 +201,9 @@ class Engine:
     async def unload_adapter(self, name: str) -> None:
         """Forget `name` at once; free it once no queued or running request uses it."""
         async with self._control:
+            log.info("Start unload Lora adapter. Lora name=%s", name)  # SGLang's line
+            if name in self.adapters:
+                await self._maybe_wedge_unload(self.adapters[name])
             adapter = self.adapters.pop(name, None)
             if adapter is None:
                 raise AdapterError(f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.adapters)}")
@@ -199,6 +217,36 @@ class Engine:
 
             idle = lambda: not scheduler.uses_adapter(adapter.adapter_id)  # noqa: E731
             await asyncio.wrap_future(scheduler.call(free, ready=idle))
+
+    async def _maybe_wedge_unload(self, adapter: Adapter) -> None:
+        """The faults that make an unload hang (FAULTS): wait forever, holding the control lock as
+        SGLang holds its LoRA update lock, so later loads and unloads queue behind it."""
+        miscounted = "lora-n-counter" in self.args.faults and self.lora_refs.get(adapter.adapter_id, 0) != 0
+        if (miscounted or "stuck-unload" in self.args.faults) and self._fire_fault():
+            log.warning("fault: unload of %s hangs (references %d)", adapter.name,
+                        self.lora_refs.get(adapter.adapter_id, 0))
+            await asyncio.Event().wait()
+
+    def _fire_fault(self) -> bool:
+        """True if a fault may fire now; with fault_marker, once (the marker records it)."""
+        marker = self.args.fault_marker
+        if marker is None:
+            return True
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return False
+        return True
+
+    def count_lora_references(self, reqs: list[Request]) -> None:
+        """Fault lora-n-counter: what SGLang's tokenizer manager does to an adapter's reference count
+        for these requests — one reference taken and released per sample, plus one release without a
+        take per prompt sent with n > 1 (its prefill warm-up)."""
+        if "lora-n-counter" not in self.args.faults:
+            return
+        for req in reqs:
+            if req.adapter_id is not None and req.params.n > 1 and req.sample_index == 0:
+                self.lora_refs[req.adapter_id] = self.lora_refs.get(req.adapter_id, 0) - 1
 
     async def flush_cache(self) -> bool:
         return await asyncio.wrap_future(self.scheduler.call(self.scheduler.flush_cache))
@@ -244,6 +292,7 @@ class Engine:
 
         for req in reqs:
             req.on_event = on_event
+        self.count_lora_references(reqs)
         self.scheduler.submit(reqs)
         remaining = len(reqs)
         try:
@@ -263,7 +312,7 @@ class Engine:
         return reqs
 
     def server_info(self) -> dict:
-        info = {k: v for k, v in asdict(self.args).items() if k not in ("ignored", "lora_paths")}
+        info = {k: v for k, v in asdict(self.args).items() if k not in ("ignored", "lora_paths", "faults")}
         scheduler = self.scheduler
         info.update({
             "api_key": None if self.args.api_key is None else "<redacted>",
@@ -278,6 +327,7 @@ class Engine:
             "device": "cpu",
             "weight_version": "default",
             "version": VERSION,
+            "faults": list(self.args.faults),
             "startup_time": self.started_ts,
             "internal_states": [{
                 "num_running_reqs": len(scheduler.batch.reqs) if scheduler else 0,

@@ -44,6 +44,9 @@ class EngineMetrics:
         self.generation_tokens = counter("sglang:generation_tokens", "Number of generation tokens processed.")
         self.cached_tokens = counter("sglang:cached_tokens", "Number of cached prompt tokens.", ["cache_source"])
         self.num_requests = counter("sglang:num_requests", "Number of requests processed.")
+        # Counted every scheduler round, not at finish: the watchdog's sign of progress.
+        self.realtime_tokens = Counter("sglang:realtime_tokens", "Tokens processed, counted every round.",
+                                       sched + ["mode"], registry=self.registry)
         self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token.", req,
                               buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency.", req,
@@ -68,6 +71,11 @@ class EngineMetrics:
         if ttft_s is not None:
             self.ttft.labels(**self._labels).observe(ttft_s)
         self.e2e.labels(**self._labels).observe(e2e_s)
+
+    def on_round(self, mode: str, tokens: int) -> None:
+        """Tokens one scheduler round processed; `mode` "prefill_compute", "prefill_cache" or "decode"."""
+        if tokens > 0:
+            self.realtime_tokens.labels(**self._sched_labels, mode=mode).inc(tokens)
 
     def set_lora_slots(self, used: int, total: int) -> None:
         self.lora_slots_used.set(min(used, total))

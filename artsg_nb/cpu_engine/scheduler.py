@@ -211,6 +211,8 @@ class Scheduler:
             self.batch.add(joined)
         if prompt:
             self.metrics.cache_hit_rate.set(cached / prompt)  # SGLang's gauge: the last round only
+            self.metrics.on_round("prefill_compute", prompt - cached)
+            self.metrics.on_round("prefill_cache", cached)
 
     def _prefill(self, req: Request) -> LayerKV:
         """Build the KV of every prompt token but the last; return it, one tensor pair per layer.
@@ -284,6 +286,7 @@ class Scheduler:
         # Each row feeds the token after its KV: the last prompt token, then its last output.
         logits = self.batch.forward([r.output_ids[-1] if r.output_ids else r.input_ids[-1] for r in reqs])
         self._sample_and_append(reqs, logits)
+        self.metrics.on_round("decode", len(reqs))
         self.metrics.gen_throughput.set(len(reqs) / max(time.perf_counter() - started, 1e-9))
         done = [r for r in reqs if r.finish_reason is not None]
         if done:

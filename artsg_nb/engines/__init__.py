@@ -45,4 +45,5 @@ def make_client(engine: str, base_url: str, served_model: str, api_key: str | No
     spec = get(engine)
     client = spec.client_class(base_url, served_model, api_key=api_key, timeout_s=timeout_s, **kwargs)
     client.engine = spec.name  # the CPU engine speaks SGLang's dialect under its own name
+    client.lora_n_problem = spec.lora_n_problem
     return client

@@ -28,7 +28,8 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 import httpx
 
-from .errors import EngineError, ServerUnavailableError, classify_error, hint_for, server_message
+from .errors import (AdminTimeoutError, EngineError, ServerUnavailableError, classify_error, hint_for,
+                     server_message)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,12 @@ KEEPALIVE_EXPIRY_S = 2.0
 server is closing at that moment (2.3 % of requests in a probe failed so)."""
 # What a connection the server closed under a request raises before any byte of the answer came.
 _DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+ADMIN_TIMEOUT_S = 60.0
+"""Default seconds an admin call (adapter load/unload, memory release/resume, cache flush, info and
+metrics) may take before it counts as hung. Each takes well under a second on a healthy server; a
+stuck one (SGLang 0.5.14's unload after n > 1 requests, sglang#36894) would otherwise hold a cell
+for the 600 s request timeout."""
 
 # Called (or set) once, when the first output token of a streamed request arrives.
 FirstTokenHook = Callable[[], Any] | asyncio.Event
@@ -149,7 +156,9 @@ class EngineClient(abc.ABC):
 
     base_url: e.g. "http://127.0.0.1:30000". served_model: the base model's served name (SGLang:
     --served-model-name, else the model path). api_key: sent as `Authorization: Bearer ...`.
-    timeout_s: per request; generous because a rollout request can wait in the server's queue.
+    timeout_s: per generation request; generous because a rollout request can wait in the server's queue.
+    admin_timeout_s: per admin call (load/unload, release/resume, flush, info, metrics): seconds,
+    not minutes, so a stuck one raises AdminTimeoutError naming the operation instead of hanging.
     transport: an httpx transport in place of the network (tests, in-process ASGI apps).
     """
 
@@ -158,8 +167,11 @@ class EngineClient(abc.ABC):
 
     def __init__(self, base_url: str, served_model: str, api_key: str | None = None,
                  timeout_s: float = 600.0, max_connections: int = 1024,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, admin_timeout_s: float = ADMIN_TIMEOUT_S):
         self.base_url, self.served_model, self.timeout_s = base_url.rstrip("/"), served_model, timeout_s
+        self.admin_timeout_s = admin_timeout_s
+        self.in_flight = 0
+        """Generation requests sent and not yet answered (the watchdog's "is work outstanding")."""
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Rollouts send hundreds of concurrent requests; the httpx default (100 connections) would
         # queue them here. httpcore's pool does O(connections) work per request, so connections are
@@ -201,12 +213,16 @@ class EngineClient(abc.ABC):
         """
         params = params or SamplingParams()
         t0 = time.perf_counter()
-        if on_first_token is None:
-            gens, ttft_s = await self._generate(input_ids, params, adapter), None
-        else:
-            signal = _FirstToken(on_first_token, t0)
-            gens = await self._generate_streamed(input_ids, params, adapter, signal)
-            ttft_s = signal.ttft_s
+        self.in_flight += 1
+        try:
+            if on_first_token is None:
+                gens, ttft_s = await self._generate(input_ids, params, adapter), None
+            else:
+                signal = _FirstToken(on_first_token, t0)
+                gens = await self._generate_streamed(input_ids, params, adapter, signal)
+                ttft_s = signal.ttft_s
+        finally:
+            self.in_flight -= 1
         e2e_s = time.perf_counter() - t0
         if len(gens) != params.n:
             raise EngineError(f"{self.engine} returned {len(gens)} samples for n={params.n}")
@@ -223,11 +239,11 @@ class EngineClient(abc.ABC):
 
     async def metrics_text(self) -> str:
         """The Prometheus /metrics text (parse it with metrics.py)."""
-        return (await self._request("GET", "/metrics")).text
+        return (await self._admin("GET", "/metrics", "read the metrics")).text
 
     async def list_adapters(self) -> dict[str, str]:
         """Adapters the server holds, name → path (from GET /v1/models)."""
-        cards = (await self._request("GET", "/v1/models")).json()["data"]
+        cards = (await self._admin("GET", "/v1/models", "list the adapters")).json()["data"]
         return {c["id"]: c.get("root") for c in cards if c.get("parent") and c["id"] != self.served_model}
 
     async def check_logprobs_mode(self) -> str | None:
@@ -246,6 +262,22 @@ class EngineClient(abc.ABC):
                            for _ in range(self._pool_count)]
             self._loop = loop
         return self._pools[next(self._turn) % len(self._pools)]
+
+    async def _admin(self, method: str, path: str, what: str, op: str = "other", timeout_s: float | None = None,
+                     **kwargs) -> httpx.Response:
+        """An admin call under its own timeout (`admin_timeout_s` unless `timeout_s`): past it,
+        AdminTimeoutError says which operation hung, instead of the generation timeout's wait."""
+        limit_s = timeout_s or self.admin_timeout_s
+        try:
+            return await self._request(method, path, op, timeout=httpx.Timeout(limit_s, connect=min(30.0, limit_s)),
+                                       **kwargs)
+        except ServerUnavailableError as e:
+            if not isinstance(e.__cause__, httpx.TimeoutException):
+                raise
+            raise AdminTimeoutError(
+                f"{self.engine} did not {what} within {limit_s:g} s ({method} {self.base_url}{path}): the server "
+                "answers /health but this operation hung. The run restarts the server and redoes the step; "
+                "its log says where it stopped (server.log_tail()).", operation=what) from e
 
     async def _request(self, method: str, path: str, op: str = "other", **kwargs) -> httpx.Response:
         """One request; `resp.retried` says whether it went out twice (see below). An error

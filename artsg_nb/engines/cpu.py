@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .spec import EngineSpec
 from .sglang import SPEC as SGLANG
-from .sglang import SGLangClient
+from .sglang import LORA_N_ISSUE, SGLangClient
 
 
 def launch_args(cfg, port: int) -> list[str]:
@@ -25,10 +25,17 @@ def launch_args(cfg, port: int) -> list[str]:
     return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])
 
 
+def lora_n_problem(info: dict) -> str | None:
+    """The CPU engine balances its references, unless started with `--fault lora-n-counter`, which
+    reproduces SGLang's bug (sglang.lora_n_problem) for the tests."""
+    if "lora-n-counter" in (info.get("faults") or ()):
+        return f"the CPU engine emulates SGLang's LoRA reference miscount for n > 1 ({LORA_N_ISSUE})"
+    return None
+
 
 SPEC = EngineSpec(
     name="cpu", client_class=SGLangClient, entry="artsg_nb.cpu_engine", package="artsg_nb",
     launch_args=launch_args, api_key_env="ARTSG_CPU_ENGINE_API_KEY", auth_probe="/model_info",
-    ignored_options=("schedule_policy", "mem_fraction"), startup_timeout_s=120.0,
+    ignored_options=("schedule_policy", "mem_fraction"), startup_timeout_s=120.0, lora_n_problem=lora_n_problem,
     metric_prefix=SGLANG.metric_prefix, prompt_counters=SGLANG.prompt_counters,
-    cached_counters=SGLANG.cached_counters)
+    cached_counters=SGLANG.cached_counters, progress_counters=SGLANG.progress_counters)

@@ -38,6 +38,16 @@ class ServerUnavailableError(EngineError):
     """No HTTP answer: the server is down, still starting, or too slow."""
 
 
+class AdminTimeoutError(ServerUnavailableError):
+    """An admin call (adapter load/unload, memory release/resume, flush, info) hung past its own
+    timeout while the server may still answer /health (e.g. SGLang 0.5.14's stuck unload,
+    sglang#36894). A ServerUnavailableError, so a run restarts the server and redoes the step."""
+
+    def __init__(self, message: str, operation: str = "", status: int | None = None, body: Any = None):
+        super().__init__(message, status, body)
+        self.operation = operation
+
+
 class MemorySaverError(EngineError):
     """The server cannot release its memory as asked: started without the memory saver (SGLang
     --enable-memory-saver, vLLM --enable-sleep-mode), or "weights" asked without a weights backup."""

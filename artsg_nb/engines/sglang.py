@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Iterable
 
 from ..procs import key_launcher
@@ -51,24 +52,97 @@ from .spec import EngineSpec
 log = logging.getLogger(__name__)
 
 
+LORA_N_ISSUE = "sgl-project/sglang#36894"
+LORA_N_FIXED_IN: str | None = None
+"""The first SGLang release whose n > 1 requests balance their LoRA references (the fix is PR
+#31808); None: no release does yet (0.5.14, and every release up to 2026-12, is affected)."""
+
+
+def lora_n_problem(info: dict) -> str | None:
+    """Why native n > 1 under a LoRA adapter is unsafe on the SGLang that sent `info`, or None.
+
+    Read in 0.5.14's `tokenizer_manager._handle_batch_request`: for n > 1 a prefill-only warm-up
+    copy of each prompt is sent and released on finish, but never acquired; the adapter's usage
+    counter ends below zero and `/unload_lora_adapter` waits for exactly zero forever, while
+    /health keeps answering. An unknown version counts as affected."""
+    version = str(info.get("version") or "of unknown version")
+    if LORA_N_FIXED_IN is not None and _version_tuple(version) >= _version_tuple(LORA_N_FIXED_IN):
+        return None
+    return (f"SGLang {version} miscounts a LoRA adapter's references for requests with n > 1, after which "
+            f"unloading that adapter never returns ({LORA_N_ISSUE})")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+_UNKNOWN = object()
+
+
 class SGLangClient(EngineClient):
-    """SGLang's native API (/generate with input_ids), and the CPU engine's, which copies it."""
+    """SGLang's native API (/generate with input_ids), and the CPU engine's, which copies it.
+
+    n > 1 under an adapter, on a server with the reference-counting bug (`lora_n_problem`), goes
+    out as SGLang itself would send it — a prefill-only warm-up that caches the prompt, then the n
+    samples together — but as two requests whose references balance: the warm-up is a plain n = 1
+    request, and the n samples are one batch request of n copies of the prompt (n = 1 each, sample
+    j seeded seed + j as native n does). Same samples, same prefix hits, one extra round trip."""
 
     engine = "sglang"
+    lora_n_problem = staticmethod(lora_n_problem)
+    """Set from the engine's spec by engines.make_client."""
+    _n_problem: object = _UNKNOWN
     route_hints = {
         "/metrics": "Start SGLang with --enable-metrics.",
         "/load_lora_adapter": "This SGLang has no runtime LoRA loading: use SGLang >= 0.4.10.",
         "/release_memory_occupation": "This server cannot release memory: use SGLang 0.5.x, or run without it.",
     }
 
+    async def native_n_problem(self) -> str | None:
+        """Why this server must not get native n > 1 under an adapter (None: it may); asked once."""
+        if self._n_problem is _UNKNOWN:
+            try:
+                info = await self.server_info()
+            except EngineError as e:  # unknown version: affected, as lora_n_problem assumes
+                log.debug("%s /server_info failed (%s): assuming the n > 1 LoRA bug", self.engine, e)
+                info = {}
+            self._n_problem = self.lora_n_problem(info)
+            if self._n_problem:
+                log.info("%s: %s; n > 1 under an adapter is sent as a warm-up plus one batch of n samples",
+                         self.engine, self._n_problem)
+        return self._n_problem
+
     async def _generate(self, input_ids, params, adapter) -> list[Generation]:
+        if params.n > 1 and adapter is not None and await self.native_n_problem():
+            return await self._generate_balanced(input_ids, params, adapter)
         resp = await self._request("POST", "/generate", "use" if adapter else "other",
                                    json=self._generate_payload(input_ids, params, adapter))
         body = resp.json()
         # One prompt with n > 1 comes back as a list of n objects, n == 1 as one object.
         return [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
 
+    async def _generate_balanced(self, input_ids, params, adapter) -> list[Generation]:
+        """n samples as a warm-up (n = 1, no new tokens) then a batch of n single samples (see the class)."""
+        warm_up = self._generate_payload(input_ids, replace(params, n=1, max_new_tokens=0, seed=None), adapter)
+        await self._request("POST", "/generate", "use", json={**warm_up, "return_logprob": False})
+        seeds = [None if params.seed is None else params.seed + j for j in range(params.n)]
+        samples = [self._generate_payload(input_ids, replace(params, n=1, seed=seed), adapter)["sampling_params"]
+                   for seed in seeds]
+        payload = {"input_ids": [list(input_ids)] * params.n, "sampling_params": samples,
+                   "return_logprob": True, "lora_path": adapter}
+        body = (await self._request("POST", "/generate", "use", json=payload)).json()
+        return [self._parse_sample(obj) for obj in body]
+
     async def _generate_streamed(self, input_ids, params, adapter, signal) -> list[Generation]:
+        if params.n > 1 and adapter is not None and await self.native_n_problem():
+            raise EngineError(f"{self.engine}: a streamed request with n={params.n} under adapter {adapter} is not "
+                              f"sent: {self._n_problem}. Stream n = 1 requests (schedule 'prefix'), or do not stream.")
         payload = {**self._generate_payload(input_ids, params, adapter), "stream": True}
         samples: dict[int, dict] = {}
         async for chunk in self._sse("/generate", payload, "use" if adapter else "other"):
@@ -106,6 +180,9 @@ class SGLangClient(EngineClient):
 
     async def chat(self, messages: list[dict], params: SamplingParams | None = None,
                    adapter: str | None = None, logprobs: bool = True, **extra) -> dict:
+        if (params and params.n > 1) and adapter and await self.native_n_problem():
+            raise EngineError(f"{self.engine}: a chat request with n={params.n} under adapter {adapter} is not sent: "
+                              f"{self._n_problem}. Send {params.n} requests with n=1 instead.")
         # "<served>:<adapter>" selects the adapter; the bare adapter name would serve the base model.
         model = f"{self.served_model}:{adapter}" if adapter else self.served_model
         payload = chat_payload(model, messages, params or SamplingParams(), logprobs, extra)
@@ -129,7 +206,7 @@ class SGLangClient(EngineClient):
         await self._lora_call("/unload_lora_adapter", {"lora_name": name}, "unload")
 
     async def _lora_call(self, path: str, payload: dict, op: str) -> dict:
-        resp = await self._request("POST", path, op, json=payload)
+        resp = await self._admin("POST", path, f"{op} adapter {payload['lora_name']}", op, json=payload)
         body = resp.json()
         if not body.get("success", False):  # a 200 carrying success: false is a failure too
             err = self._error("POST", path, 200, body, op)
@@ -141,16 +218,17 @@ class SGLangClient(EngineClient):
         """Empty the prefix cache. The server refuses (400) while requests run; with `timeout_s`
         SGLang >= 0.5.23 waits up to that long for idle."""
         params = {"timeout": timeout_s} if timeout_s else None
-        await self._request("POST", "/flush_cache", params=params)
+        limit_s = self.admin_timeout_s + (timeout_s or 0)  # the server may wait timeout_s for idle first
+        await self._admin("POST", "/flush_cache", "flush the prefix cache", params=params, timeout_s=limit_s)
 
     async def server_info(self) -> dict:
         """The resolved server arguments (GET /server_info, else the older /get_server_info)."""
         try:
-            return (await self._request("GET", "/server_info")).json()
+            return (await self._admin("GET", "/server_info", "report its configuration")).json()
         except EngineError as e:
             if e.status != 404:
                 raise
-        return (await self._request("GET", "/get_server_info")).json()
+        return (await self._admin("GET", "/get_server_info", "report its configuration")).json()
 
     async def score(self, input_ids: list[int], adapter: str | None = None,
                     temperature: float = 1.0) -> list[float]:
@@ -198,7 +276,7 @@ class SGLangClient(EngineClient):
             raise EngineError(f"{self.engine} did not become idle within {idle_timeout_s:g} s, so its memory was "
                               "not released (SGLang asserts idle; its scheduler would exit). Let every "
                               f"request finish first, or pass a larger idle_timeout_s. ({e})", e.status, e.body) from e
-        await self._request("POST", "/release_memory_occupation", json={"tags": list(tags)})
+        await self._admin("POST", "/release_memory_occupation", f"release memory {list(tags)}", json={"tags": list(tags)})
         self.released_tags = tags
         log.debug("%s released %s in %.3f s", self.engine, tags, time.perf_counter() - t0)
         return time.perf_counter() - t0
@@ -208,7 +286,8 @@ class SGLangClient(EngineClient):
         if not self.released_tags:
             return 0.0
         t0 = time.perf_counter()
-        await self._request("POST", "/resume_memory_occupation", json={"tags": list(self.released_tags)})
+        await self._admin("POST", "/resume_memory_occupation", f"resume memory {list(self.released_tags)}",
+                          json={"tags": list(self.released_tags)})
         self.released_tags = ()
         return time.perf_counter() - t0
 
@@ -268,10 +347,10 @@ def validate(cfg) -> None:
 
 SPEC = EngineSpec(
     name="sglang", client_class=SGLangClient, entry="sglang.launch_server", package="sglang",
-    launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER,
+    launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER, lora_n_problem=lora_n_problem,
     auth_probe="/model_info", tp_flag="--tp-size",
     python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",
     conda_env="artsg-server", venv_dir=".venv-server",
     create_commands=("conda env create -f environment-server.yml", "make server-env"),
     metric_prefix="sglang:", prompt_counters=("sglang:prompt_tokens_total",),
-    cached_counters=("sglang:cached_tokens_total",))
+    cached_counters=("sglang:cached_tokens_total",), progress_counters=("sglang:realtime_tokens_total",))

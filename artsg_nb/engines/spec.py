@@ -65,6 +65,14 @@ class EngineSpec:
     """Prompt-token counter sample names, first present wins (see metrics.py)."""
     cached_counters: tuple[str, ...] = ()
     """Cached-token counter sample names, first present wins."""
+    progress_counters: tuple[str, ...] = ()
+    """Counter sample names that grow with every scheduler round while the engine works (summed):
+    the watchdog's sign that requests in flight make progress."""
+    lora_n_problem: Callable[[dict], str | None] = lambda info: None
+    """(the server's /server_info) → why native `n > 1` sampling under a LoRA adapter is unsafe on
+    that server, or None. SGLang up to at least 0.5.14 miscounts the adapter's references for such a
+    request and its next unload never returns (sglang#36894); its client then sends the same work
+    in a shape whose references balance (sglang.SGLangClient)."""
 
     @property
     def args_var(self) -> str:

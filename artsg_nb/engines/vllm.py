@@ -115,21 +115,22 @@ class VLLMClient(EngineClient):
         # Never load_inplace from one path: vLLM keys its prefix cache by (name, path) → stale KV.
         t0 = time.perf_counter()
         try:
-            await self._request("POST", "/v1/load_lora_adapter", "load", json={"lora_name": name, "lora_path": path})
+            await self._admin("POST", "/v1/load_lora_adapter", f"load adapter {name}", "load",
+                              json={"lora_name": name, "lora_path": path})
         except AdapterExistsError as e:  # sent twice and served the first time (base.EngineClient._request)
             if not (e.retried and (await self.list_adapters()).get(name) == path):
                 raise
         return time.perf_counter() - t0
 
     async def unload_adapter(self, name: str) -> None:
-        await self._request("POST", "/v1/unload_lora_adapter", "unload", json={"lora_name": name})
+        await self._admin("POST", "/v1/unload_lora_adapter", f"unload adapter {name}", "unload", json={"lora_name": name})
 
     async def flush_cache(self, timeout_s: float | None = None) -> None:
         """Reset the prefix cache (dev-mode route). vLLM refuses while blocks are in use; with
         `timeout_s` it is retried until then."""
         deadline = time.monotonic() + (timeout_s or 0)
         while True:
-            body = response_body(await self._request("POST", "/reset_prefix_cache"))
+            body = response_body(await self._admin("POST", "/reset_prefix_cache", "reset the prefix cache"))
             if not isinstance(body, dict) or body.get("success", True):
                 return
             if time.monotonic() >= deadline:
@@ -140,7 +141,7 @@ class VLLMClient(EngineClient):
 
     async def server_info(self) -> dict:
         """The server's full configuration (dev-mode route)."""
-        return (await self._request("GET", "/server_info", params={"config_format": "json"})).json()
+        return (await self._admin("GET", "/server_info", "report its configuration", params={"config_format": "json"})).json()
 
     async def check_memory_saver(self, tags=DEFAULT_TAGS) -> None:
         """Raise MemorySaverError unless the server runs with --enable-sleep-mode (read from the
@@ -165,7 +166,9 @@ class VLLMClient(EngineClient):
             raise EngineError("vllm is already asleep (released by this client); call resume_memory() first")
         await self.check_memory_saver()
         t0 = time.perf_counter()
-        await self._request("POST", "/sleep", params={"level": 1, "mode": "wait"})
+        # mode=wait lets running requests finish first: allow for that beyond the admin timeout.
+        await self._admin("POST", "/sleep", "sleep (release memory)", params={"level": 1, "mode": "wait"},
+                          timeout_s=self.admin_timeout_s + idle_timeout_s)
         self.released_tags = ("weights", "kv_cache")
         return time.perf_counter() - t0
 
@@ -174,7 +177,7 @@ class VLLMClient(EngineClient):
         if not self.released_tags:
             return 0.0
         t0 = time.perf_counter()
-        await self._request("POST", "/wake_up")
+        await self._admin("POST", "/wake_up", "wake up (resume memory)")
         self.released_tags = ()
         return time.perf_counter() - t0
 
@@ -273,4 +276,5 @@ SPEC = EngineSpec(
     prompt_counters=("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total",
                      "vllm:gpu_prefix_cache_queries"),
     cached_counters=("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total",
-                     "vllm:gpu_prefix_cache_hits"))
+                     "vllm:gpu_prefix_cache_hits"),
+    progress_counters=("vllm:prompt_tokens_total", "vllm:generation_tokens_total"))  # per engine step

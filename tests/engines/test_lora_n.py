@@ -1,0 +1,88 @@
+"""n > 1 under a LoRA adapter on SGLang (sglang#36894): which request shapes the client sends.
+
+SGLang up to at least 0.5.14 releases one adapter reference it never took for each prompt sent with
+n > 1, and the adapter's next unload then waits forever. The client must never send that shape
+with an adapter to such a server, and must send everything else unchanged. Checked on an httpx
+MockTransport that records each /generate body, so the shapes are exact.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from artsg_nb import engines
+from artsg_nb.engines import EngineError, SamplingParams
+from artsg_nb.engines.sglang import lora_n_problem
+
+
+def sample(ids: list[int], n_out: int = 2) -> dict:
+    out = list(range(100, 100 + n_out))
+    return {"text": "", "output_ids": out,
+            "meta_info": {"prompt_tokens": len(ids), "cached_tokens": len(ids) - 1, "finish_reason": {"type": "length"},
+                          "output_token_logprobs": [[-0.5, t, None] for t in out]}}
+
+
+def recording_client(version: str = "0.5.14", engine: str = "sglang"):
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/server_info", "/get_server_info"):
+            return httpx.Response(200, json={"version": version})
+        body = json.loads(request.content)
+        bodies.append(body)
+        ids = body["input_ids"]
+        if ids and isinstance(ids[0], list):
+            return httpx.Response(200, json=[sample(p) for p in ids])
+        n = body["sampling_params"].get("n", 1)
+        return httpx.Response(200, json=[sample(ids)] * n if n > 1 else sample(ids))
+
+    client = engines.make_client(engine, "http://test", "base", transport=httpx.MockTransport(handler))
+    return client, bodies
+
+
+def test_every_known_sglang_release_is_affected_and_named():
+    for version in ("0.4.10", "0.5.14", "0.5.23", None):
+        problem = lora_n_problem({"version": version} if version else {})
+        assert problem and "sglang#36894" in problem
+
+
+def test_n_under_an_adapter_goes_as_a_warm_up_then_one_balanced_batch():
+    client, bodies = recording_client()
+    gens = asyncio.run(client.generate([1, 2, 3], SamplingParams(max_new_tokens=5, n=3, seed=40), adapter="a"))
+    assert len(gens) == 3
+    warm_up, batch = bodies
+    assert warm_up["input_ids"] == [1, 2, 3] and warm_up["lora_path"] == "a"
+    assert warm_up["sampling_params"]["max_new_tokens"] == 0 and warm_up["sampling_params"]["n"] == 1
+    assert batch["input_ids"] == [[1, 2, 3]] * 3 and batch["lora_path"] == "a" and batch["return_logprob"]
+    assert [p["n"] for p in batch["sampling_params"]] == [1, 1, 1]
+    assert [p["sampling_seed"] for p in batch["sampling_params"]] == [40, 41, 42]  # as native n seeds sample j
+    assert all(p["max_new_tokens"] == 5 for p in batch["sampling_params"])
+
+
+def test_native_n_where_it_is_safe():
+    client, bodies = recording_client()  # no adapter: no reference is counted
+    asyncio.run(client.generate([1, 2, 3], SamplingParams(n=4)))
+    assert [b["sampling_params"]["n"] for b in bodies] == [4]
+    client, bodies = recording_client(engine="cpu")  # the CPU engine balances its references
+    asyncio.run(client.generate([1, 2, 3], SamplingParams(n=4), adapter="a"))
+    assert [b["sampling_params"]["n"] for b in bodies] == [4]
+
+
+def test_n_1_requests_are_unchanged():
+    client, bodies = recording_client()
+    asyncio.run(client.generate([1, 2, 3], SamplingParams(n=1), adapter="a"))
+    assert len(bodies) == 1 and bodies[0]["sampling_params"]["n"] == 1 and bodies[0]["lora_path"] == "a"
+
+
+@pytest.mark.parametrize("call", ["stream", "chat"])
+def test_shapes_that_cannot_be_balanced_are_refused_before_sending(call):
+    client, bodies = recording_client()
+    params = SamplingParams(n=2)
+    coro = (client.generate([1, 2], params, adapter="a", on_first_token=lambda: None) if call == "stream"
+            else client.chat([{"role": "user", "content": "hi"}], params, adapter="a"))
+    with pytest.raises(EngineError, match="sglang#36894"):
+        asyncio.run(coro)
+    assert bodies == []

@@ -76,6 +76,16 @@ def cache_counters(text: str, engine: str) -> CacheCounters:
                          cached_tokens=_first(values, spec.cached_counters))
 
 
+def progress_tokens(text: str, engine: str) -> float | None:
+    """Tokens the engine has processed so far, counted as it works (EngineSpec.progress_counters),
+    from /metrics text; None when the engine exposes no such counter."""
+    names = engines.get(engine).progress_counters
+    if not names:
+        return None
+    values = parse_metrics(text)
+    return sum(values.get(name, 0.0) for name in names)
+
+
 def _first(values: dict[str, float], names: tuple[str, ...]) -> float:
     return next((values[n] for n in names if n in values), 0.0)
 

@@ -33,8 +33,6 @@ import pandas as pd
 import pynvml
 import torch
 import tyro
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..engines import SamplingParams, make_client, run_sync
 from ..metrics import cache_counters, hit_rate, theoretical_hit_rate
@@ -236,6 +234,10 @@ async def run_raw(client, cfg: BenchConfig, groups, schedule: str) -> dict:
 async def measure_reload(client, model_path: str, run_dir: str, prompt_ids: list[int],
                          repeats: int = 3, rank: int = 16) -> dict:
     """Median seconds to save a PEFT adapter, load it into the server, and serve it a request."""
+    # Imported here: importing artsg_nb.bench must not import transformers or PEFT before a
+    # trainer imports Unsloth (bench.step's artsg_nb leg).
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
@@ -263,6 +265,8 @@ async def measure_reload(client, model_path: str, run_dir: str, prompt_ids: list
 
 async def bench_server(client, cfg: BenchConfig, radix: bool, model_path: str) -> list[dict]:
     """Every schedule (and raw replay) against one running server; one row per run."""
+    from transformers import AutoTokenizer  # lazy, as in measure_reload
+
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     task = SyntheticTask(tokenizer, cfg.prompt_tokens, cfg.turns, cfg.env_tokens, cfg.new_tokens)
     meta = {"date": datetime.now().isoformat(timespec="seconds"), "hardware": hardware_name(cfg.engine),

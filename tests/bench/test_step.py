@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from artsg_nb.bench import load_results, load_step_results, step, step_ratios
+from artsg_nb.bench import load_results, load_step_results, step, step_ratios, step_trl
 from artsg_nb.grpo import GRPOConfig
 
 
@@ -20,9 +20,22 @@ def test_cli_flags_parse():
     assert cfg.learning_rate == 2e-4
 
 
+def test_the_artsg_nb_leg_imports_unsloth_first():
+    """bench.step, and the session its artsg_nb leg runs, import nothing of transformers, PEFT or TRL:
+    Unsloth must be imported before them (it patches them), and the trainer imports it when it loads
+    the model. A fresh interpreter, since this one has imported them already."""
+    import subprocess
+    import sys
+
+    code = ("import sys, artsg_nb.bench.step, artsg_nb.session; "
+            "print(sorted(m for m in ('transformers', 'peft', 'trl') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_trl_config_is_our_job(tmp_path):
     cfg = step.StepBenchConfig(groups=3, group_size=4, steps=7)
-    t = step.trl_config(cfg, 32, str(tmp_path))
+    t = step_trl.trl_config(cfg, 32, str(tmp_path))
     ours = GRPOConfig()
     assert (t.num_generations, t.per_device_train_batch_size, t.steps_per_generation, t.num_iterations) == (4, 12, 1, 1)
     assert (t.loss_type, t.beta, t.epsilon, t.epsilon_high, t.scale_rewards) == (
@@ -35,14 +48,14 @@ def test_trl_config_is_our_job(tmp_path):
 def test_reward_func_is_the_task_reward():
     completions = [[{"role": "assistant", "content": "7"}], [{"role": "assistant", "content": " 6 "}],
                    [{"role": "assistant", "content": "seven"}]]
-    assert step.addition_reward_func(completions, answer=[7, 7, 7]) == [1.0, 0.4, 0.0]
+    assert step_trl.addition_reward_func(completions, answer=[7, 7, 7]) == [1.0, 0.4, 0.0]
 
 
 def test_torch_logprob_matches_log_softmax():
     torch.manual_seed(0)
     hidden, weight = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8)
     targets = torch.randint(0, 11, (5,))
-    lp, ent, *_ = step.TorchLogProb.apply(hidden, weight, None, targets, 0.7, 4, None, 1.0, ("entropy",))
+    lp, ent, *_ = step_trl.TorchLogProb.apply(hidden, weight, None, targets, 0.7, 4, None, 1.0, ("entropy",))
     ref = torch.log_softmax(hidden @ weight.t() / 0.7, -1)
     assert torch.allclose(lp, ref.gather(-1, targets[:, None])[:, 0], atol=1e-6)
     assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)

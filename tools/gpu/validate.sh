@@ -6,6 +6,12 @@
 # Each phase runs with its own time limit, logs to $OUT/<phase>.log (the device tool brings $OUT
 # back) and prints one PASS/FAIL line; a failing phase does not stop the next. Models are built
 # into /tmp/models (kept while the host stays warm). Phases:
+#   smoke       THE first call of a GPU session, on DEFAULT settings (tools/gpu/defaults_smoke.py): the
+#               tiny model built on the host, then the quickstart notebook unchanged (10 steps, >= 3
+#               reloads with unloads), 5 steps of each schedule on one server, the GPU-marked tests;
+#               one PASS/FAIL line each, $OUT/<date>-h200-smoke.json. Carry [".gpu-bundle", ".whl-kernel"].
+#   nshapes     tools/gpu/n_shapes.py: balanced n vs native n vs prefix/naive under an adapter on one
+#               server, then the unload after native n (shows sglang#36894), $OUT/n_shapes.json
 #   models      tiny (CI's, pretrained) and 0.5b (Qwen2.5-0.5B's shape) via python -m artsg_nb.tiny_model
 #   probe-tiny  tools/gpu/probe_engine.py on the tiny model with real SGLang (served? adapters? cache?)
 #   probe-05b   the same on the 0.5b model
@@ -41,7 +47,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 99
 source /tmp/artsg-env.sh || { echo "run tools/gpu/install.sh first"; exit 99; }
 OUT=${OUT:-/tmp/artsg-out}; mkdir -p "$OUT" /tmp/models
-export ARTSG_SGLANG_ARGS=${ARTSG_SGLANG_ARGS:-"--attention-backend triton --sampling-backend pytorch --grammar-backend none --cuda-graph-max-bs 80"}
+# The flags this offline bundle needs (it leaves out FA3, flashinfer, xgrammar); CUDA graphs up to 128
+# sequences cover a 16 x 8 step (80 left it decoding without graphs: sglang-0.5.14-traps.md, item 2).
+export ARTSG_SGLANG_ARGS=${ARTSG_SGLANG_ARGS:-"--attention-backend triton --sampling-backend pytorch --grammar-backend none --cuda-graph-max-bs 128"}
 export ARTSG_VLLM_ARGS=${ARTSG_VLLM_ARGS:-"--attention-backend TRITON_ATTN"}
 export ARTSG_CACHE=/tmp/artsg-cache PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 TINY=/tmp/models/tiny; BIG=/tmp/models/0.5b; SMOL=/tmp/models/smollm2
@@ -59,10 +67,19 @@ phase() {  # phase NAME LIMIT_S COMMAND...
 }
 
 for p in "$@"; do
+  echo "[$(date +%H:%M:%S)] phase $p"
   case $p in
+    smoke)       phase tiny 240 python3 -m artsg_nb.tiny_model $TINY
+                 SMOKE_JSON="$OUT/$(date +%Y%m%d)-h200-smoke.json"
+                 timeout 560 env ARTSG_TINY_MODEL=$TINY python3 tools/gpu/defaults_smoke.py --model $TINY \
+                   --out "$SMOKE_JSON" ${SMOKE_PARTS:+--parts $SMOKE_PARTS} 2>&1 | tee "$OUT/smoke.log" \
+                   | grep -E '^(PASS|FAIL) |^    |schedule ' | cut -c1-400
+                 [[ ${PIPESTATUS[0]} == 0 ]] || FAILS=$((FAILS + 1)) ;;
     models)      phase models 240 bash -c "python3 -m artsg_nb.tiny_model $TINY && python3 -m artsg_nb.tiny_model $BIG --size 0.5b" ;;
     probe-tiny)  phase probe-tiny 300 python3 tools/gpu/probe_engine.py --engine sglang --model $TINY --run-dir /tmp/probe-tiny --out "$OUT/probe_tiny.json" ;;
     probe-05b)   phase probe-05b 300 python3 tools/gpu/probe_engine.py --engine sglang --model $BIG --run-dir /tmp/probe-05b --out "$OUT/probe_05b.json" ;;
+    nshapes)     phase nshapes 300 python3 tools/gpu/n_shapes.py --model $TINY --out "$OUT/n_shapes.json"
+                 grep -E '^\{|balanced|unload after' "$OUT/nshapes.log" | cut -c1-300 | sed 's/^/    /' ;;
     tiny)        phase tiny 240 python3 -m artsg_nb.tiny_model $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
     stepbench)   phase stepbench 560 python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL --max-new-tokens 8 256 \

@@ -1,0 +1,156 @@
+"""The one-call GPU smoke on DEFAULT settings (`bash tools/gpu/validate.sh smoke`).
+
+Runs on the GPU host after tools/gpu/install.sh, with the SGLang bundle and the kernel wheels, on
+the CI tiny model built on the host. Three parts, each with its own time limit, one PASS/FAIL line
+each, and a JSON record of everything (`--out`):
+
+  quickstart  notebooks/01_quickstart.ipynb unchanged, through papermill (MORE_STEPS=8: 10 steps),
+              RunConfig defaults; passes when every step ran and at least 3 of them reloaded an
+              adapter (each reload unloads the one before: the unload that hung on sglang#36894)
+  schedules   one GRPORun on defaults, then 5 steps under each schedule on that same server
+              (auto, n, prefix, prefix_n, naive); passes when all 25 steps ran
+  tests       the GPU-marked tests: pytest -m "gpu or sglang" with ARTSG_TEST_ENGINES=sglang
+
+What it does not do: install anything, or change a setting a user would not (the server flags the
+offline bundle needs come from $ARTSG_SGLANG_ARGS, which validate.sh sets).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEDULES = ("auto", "n", "prefix", "prefix_n", "naive")
+
+
+def stamp(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def part_quickstart(model: str, work: Path, limit_s: float) -> dict:
+    run_dir = work / "quickstart"
+    cmd = [sys.executable, "-m", "papermill", str(REPO / "notebooks/01_quickstart.ipynb"), str(work / "01.ipynb"),
+           "-p", "RUN_DIR", str(run_dir), "-p", "MODEL_PATH", model, "-p", "MORE_STEPS", "8",
+           "--cwd", str(REPO / "notebooks"), "--log-output"]
+    ok, log_tail = _run(cmd, work / "quickstart.log", limit_s)
+    rows = _history(run_dir)
+    reloads = [r for r in rows if r.get("reload_s") is not None]
+    result = _summary(rows) | {"reloads": len(reloads), "log_tail": None if ok else log_tail}
+    result["pass"] = ok and len(rows) == 10 and len(reloads) >= 3
+    return result
+
+
+def part_schedules(model: str, work: Path, limit_s: float) -> dict:
+    from artsg_nb import GRPORun, RunConfig
+
+    per = {}
+    run = GRPORun(RunConfig(model_path=model, run_dir=str(work / "schedules"))).start()
+    try:
+        deadline = time.monotonic() + limit_s
+        for schedule in SCHEDULES:
+            run.cfg = replace(run.cfg, schedule=schedule)
+            rows = []
+            for _ in range(5):
+                left_s = deadline - time.monotonic()
+                rows.append(asyncio.run(asyncio.wait_for(run.step(), timeout=max(left_s, 1))))
+            per[schedule] = _summary(rows) | {"reloads": sum(r.get("reload_s") is not None for r in rows)}
+            stamp(f"  schedule {schedule}: {per[schedule]}")
+        info = asyncio.run(run.client.server_info())
+    except Exception as e:  # the record says which schedule stopped and why
+        return {"pass": False, "schedules": per, "error": f"{type(e).__name__}: {e}",
+                "log_tail": run.server.log_tail(30) if run.server else None}
+    finally:
+        run.stop()
+    return {"pass": len(per) == len(SCHEDULES), "schedules": per, "sglang_version": info.get("version"),
+            "restarts": run.restarts}
+
+
+def part_tests(work: Path, limit_s: float) -> dict:
+    env = {**os.environ, "ARTSG_TEST_ENGINES": "sglang"}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu or sglang", str(REPO / "tests")]
+    ok, tail = _run(cmd, work / "tests.log", limit_s, env=env, cwd=REPO)
+    summary = next((line for line in reversed(tail.splitlines()) if " passed" in line or " failed" in line), tail[-300:])
+    return {"pass": ok, "summary": summary.strip()}
+
+
+def _run(cmd, log: Path, limit_s: float, env=None, cwd=None) -> tuple[bool, str]:
+    with open(log, "w") as f:
+        try:
+            ok = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s, env=env, cwd=cwd,
+                                start_new_session=True).returncode == 0
+        except subprocess.TimeoutExpired:
+            f.write(f"\n[smoke] timed out after {limit_s:g} s\n")
+            ok = False
+    return ok, "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+
+
+def _history(run_dir: Path) -> list[dict]:
+    path = run_dir / "history.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+PHASES = ("rollout_s", "release_s", "train_s", "resume_s", "reload_s")
+
+
+def _summary(rows: list[dict]) -> dict:
+    rows = [r | {"step_s": sum(r.get(k) or 0.0 for k in PHASES)} for r in rows]  # the phases of one step
+
+    def median(key):
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return round(statistics.median(values), 4) if values else None
+    return {"steps": len(rows), "step_s_median": median("step_s"), "rollout_s_median": median("rollout_s"),
+            "train_s_median": median("train_s"), "reload_s_median": median("reload_s"),
+            "hit_rate_median": median("hit_rate"), "reward": [round(r.get("reward_mean", 0), 3) for r in rows]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="the tiny model built on the host")
+    p.add_argument("--work", default="/tmp/runs/smoke")
+    p.add_argument("--out", required=True, help="JSON record (benchmarks/results/<date>-h200-smoke.json)")
+    p.add_argument("--parts", nargs="*", default=["quickstart", "schedules", "tests"])
+    a = p.parse_args(argv)
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "gpu": _gpu_name(),
+              "commit": _commit(), "settings": "RunConfig defaults", "server_args": os.environ.get("ARTSG_SGLANG_ARGS")}
+    limits = {"quickstart": 240, "schedules": 200, "tests": 330}
+    for name in a.parts:
+        t0 = time.monotonic()
+        stamp(f"{name}: start")
+        result = (part_quickstart(a.model, work, limits[name]) if name == "quickstart" else
+                  part_schedules(a.model, work, limits[name]) if name == "schedules" else part_tests(work, limits[name]))
+        result["wall_s"] = round(time.monotonic() - t0, 1)
+        record[name] = result
+        brief = {k: v for k, v in result.items() if k not in ("log_tail", "schedules")}
+        print(f"{'PASS' if result['pass'] else 'FAIL'} {name} {result['wall_s']:.0f} s {json.dumps(brief)}", flush=True)
+        if not result["pass"] and result.get("log_tail"):
+            print("    " + str(result["log_tail"]).replace("\n", "\n    "), flush=True)
+        Path(a.out).write_text(json.dumps(record, indent=2))
+    return 0 if all(record[n]["pass"] for n in a.parts) else 1
+
+
+def _gpu_name() -> str | None:
+    try:
+        from artsg_nb.gpus import list_gpus
+        return ", ".join(g.name for g in list_gpus()) or None
+    except Exception:
+        return None
+
+
+def _commit() -> str | None:
+    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or os.environ.get("ARTSG_COMMIT")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

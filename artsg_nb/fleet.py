@@ -176,7 +176,9 @@ class Fleet:
         cfg = self.config
         front = engines.make_client(cfg.engine, self.url, cfg.model_path, api_key=cfg.api_key,
                                     admin_timeout_s=cfg.admin_timeout_s)
-        return FleetClient(self, front, [s.client() for s in self.servers])
+        workers = [s.client() for s in self.servers]
+        front.info_source = workers[0]  # which engine serves the router's requests (sglang.lora_n_problem)
+        return FleetClient(self, front, workers)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the router, then every worker (by process group). Safe to call again."""

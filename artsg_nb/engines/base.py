@@ -293,16 +293,16 @@ class EngineClient(abc.ABC):
                 # Safe for every route used here: a /generate that was served anyway only cost
                 # compute, and a load that was served answers "already loaded" (load_adapter).
                 if attempt:
-                    raise self._unavailable(method, path, e) from e
+                    raise self._unavailable(method, path, e, kwargs.get("timeout")) from e
                 log.info("%s %s%s: connection dropped before an answer (%s); retrying once", method,
                          self.base_url, path, type(e).__name__)
                 continue
             except httpx.HTTPError as e:
-                raise self._unavailable(method, path, e) from e
+                raise self._unavailable(method, path, e, kwargs.get("timeout")) from e
             try:
                 await resp.aread()  # a drop in the middle of an answer is not retried
             except httpx.HTTPError as e:
-                raise self._unavailable(method, path, e) from e
+                raise self._unavailable(method, path, e, kwargs.get("timeout")) from e
             finally:
                 await resp.aclose()
             break
@@ -350,8 +350,10 @@ class EngineClient(abc.ABC):
             raise self._error("POST", path, status if isinstance(status, int) else 400, event, op)
         return event
 
-    def _unavailable(self, method: str, path: str, err: Exception) -> ServerUnavailableError:
-        what = f"no answer within {self.timeout_s:g} s" if isinstance(err, httpx.TimeoutException) else "no connection"
+    def _unavailable(self, method: str, path: str, err: Exception,
+                     timeout: httpx.Timeout | None = None) -> ServerUnavailableError:
+        limit_s = timeout.read if isinstance(timeout, httpx.Timeout) else self.timeout_s
+        what = f"no answer within {limit_s:g} s" if isinstance(err, httpx.TimeoutException) else "no connection"
         return ServerUnavailableError(
             f"{self.engine} {method} {self.base_url}{path}: {what} ({type(err).__name__}: {err}). "
             "Is the server running and ready? Check server.alive() and server.log_tail().")

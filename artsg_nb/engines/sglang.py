@@ -38,6 +38,7 @@ What it does not do: anything engine-neutral (base.py), or start the process (se
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -92,12 +93,16 @@ class SGLangClient(EngineClient):
     out as SGLang itself would send it — a prefill-only warm-up that caches the prompt, then the n
     samples together — but as two requests whose references balance: the warm-up is a plain n = 1
     request, and the n samples are one batch request of n copies of the prompt (n = 1 each, sample
-    j seeded seed + j as native n does). Same samples, same prefix hits, one extra round trip."""
+    j seeded seed + j as native n does). Same samples, same prefix hits, one extra round trip.
+    Behind sglang-router (which takes no per-sample list) the n samples go as n single requests."""
 
     engine = "sglang"
     lora_n_problem = staticmethod(lora_n_problem)
     """Set from the engine's spec by engines.make_client."""
     _n_problem: object = _UNKNOWN
+    info_source: "SGLangClient | None" = None
+    """The client whose /server_info describes the engine behind this URL (a router in front of
+    workers: its own /server_info names no engine version); None: this one."""
     route_hints = {
         "/metrics": "Start SGLang with --enable-metrics.",
         "/load_lora_adapter": "This SGLang has no runtime LoRA loading: use SGLang >= 0.4.10.",
@@ -108,7 +113,7 @@ class SGLangClient(EngineClient):
         """Why this server must not get native n > 1 under an adapter (None: it may); asked once."""
         if self._n_problem is _UNKNOWN:
             try:
-                info = await self.server_info()
+                info = await (self.info_source or self).server_info()
             except EngineError as e:  # unknown version: affected, as lora_n_problem assumes
                 log.debug("%s /server_info failed (%s): assuming the n > 1 LoRA bug", self.engine, e)
                 info = {}
@@ -132,9 +137,11 @@ class SGLangClient(EngineClient):
         warm_up = self._generate_payload(input_ids, replace(params, n=1, max_new_tokens=0, seed=None), adapter)
         await self._request("POST", "/generate", "use", json={**warm_up, "return_logprob": False})
         seeds = [None if params.seed is None else params.seed + j for j in range(params.n)]
-        samples = [self._generate_payload(input_ids, replace(params, n=1, seed=seed), adapter)["sampling_params"]
-                   for seed in seeds]
-        payload = {"input_ids": [list(input_ids)] * params.n, "sampling_params": samples,
+        singles = [self._generate_payload(input_ids, replace(params, n=1, seed=seed), adapter) for seed in seeds]
+        if self.info_source is not None:  # a router: sglang-router 0.3 takes no per-sample sampling_params list
+            bodies = await asyncio.gather(*(self._request("POST", "/generate", "use", json=p) for p in singles))
+            return [self._parse_sample(b.json()) for b in bodies]
+        payload = {"input_ids": [list(input_ids)] * params.n, "sampling_params": [p["sampling_params"] for p in singles],
                    "return_logprob": True, "lora_path": adapter}
         body = (await self._request("POST", "/generate", "use", json=payload)).json()
         return [self._parse_sample(obj) for obj in body]

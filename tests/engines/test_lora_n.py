@@ -86,3 +86,17 @@ def test_shapes_that_cannot_be_balanced_are_refused_before_sending(call):
     with pytest.raises(EngineError, match="sglang#36894"):
         asyncio.run(coro)
     assert bodies == []
+
+
+def test_behind_a_router_the_n_samples_go_as_single_requests():
+    """sglang-router 0.3 refuses a per-sample sampling_params list; the engine's version comes from a worker."""
+    client, bodies = recording_client(version="0.5.14")
+    worker, _ = recording_client(version="0.5.14")
+    client.info_source = worker
+    gens = asyncio.run(client.generate([1, 2, 3], SamplingParams(n=3, seed=5), adapter="a"))
+    assert len(gens) == 3
+    warm_up, *singles = bodies
+    assert warm_up["sampling_params"]["max_new_tokens"] == 0
+    assert [b["input_ids"] for b in singles] == [[1, 2, 3]] * 3
+    assert sorted(b["sampling_params"]["sampling_seed"] for b in singles) == [5, 6, 7]
+    assert all(b["sampling_params"]["n"] == 1 and b["lora_path"] == "a" for b in singles)

@@ -88,6 +88,8 @@ def test_a_token_string_several_tokens_decode_to_needs_the_ids_or_the_resolver(t
     traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, _choice(tok, [same[1]])])
     with pytest.raises(UnsupportedTrajectory, match="return_token_ids"):
         to_trajectory(traj, tok, None)
+    [group] = to_groups([art.TrajectoryGroup([traj, traj])], tok, None)  # left out, as failed rollouts are
+    assert [t.error.startswith("AmbiguousTokens") for t in group.trajectories] == [True, True]
     asked = []
     ours = to_trajectory(traj, tok, None, resolve=lambda prefix, cands, lp, where: asked.append(cands) or same[1])
     assert ours.token_ids[-1] == same[1] and asked == [same]

@@ -55,7 +55,7 @@ from typing import Any, Iterable
 from ..retention import version_steps
 from ..run_config import CONFIG_FILE, RunConfig
 from ..session import GRPORun
-from .convert import UnsupportedTrajectory, to_groups
+from .convert import AmbiguousTokens, to_groups
 
 log = logging.getLogger(__name__)
 
@@ -285,11 +285,11 @@ def _logprob_resolver(trainer):
         lps = torch.log_softmax(logits.float() / trainer.cfg.grpo.temperature, -1)[candidates]
         close = [c for c, lp in zip(candidates, lps.tolist()) if abs(lp - logprob) < tol]
         if len(close) != 1:
-            raise UnsupportedTrajectory(
+            raise AmbiguousTokens(
                 f"{where}: the server sent no token ids and {len(candidates)} tokens decode to this token's string; "
                 f"{len(close)} of them have its logprob {logprob:.4f} under the trainer (was the rollout sampled at "
                 f"another temperature than {trainer.cfg.grpo.temperature}?). Send extra_body={{'return_token_ids': "
-                "True}} with the request, or use model.openai_client(), which does.")
+                "True} with the request, or use model.openai_client(), which does.")
         return close[0]
 
     return resolve

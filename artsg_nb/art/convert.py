@@ -19,6 +19,8 @@ takes as is:
   what the server rendered as the prompt; SGLang's `prompt_token_ids` replace it when present.
 - What cannot be scored is an error (`UnsupportedTrajectory`) that names the trajectory: a
   Choice without logprobs, a reply with tool calls, `additional_histories`, no Choice at all.
+  A trajectory whose ids stay ambiguous (`AmbiguousTokens`) is left out of the update like a
+  failed rollout (its group keeps the others; history column failed_rollouts), with a warning.
   Messages after the last Choice carry nothing to train on and are left out (as ART does).
 
 What it does not do: talk HTTP, or import `art` (it reads the objects by attribute, so it is
@@ -26,16 +28,23 @@ testable with any look-alike); the advantages and the loss are grpo.py's.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable, Iterable
 
 from ..rollout import Trajectory, TrajectoryGroup
+
+log = logging.getLogger(__name__)
 
 SENTINEL = "\u2063artsg-art-reply\u2063"  # stands in for each reply in the rendered conversation
 
 
 class UnsupportedTrajectory(ValueError):
     """An ART trajectory this backend cannot turn into tokens it can train on."""
+
+
+class AmbiguousTokens(UnsupportedTrajectory):
+    """The server sent no ids and a token string does not say which token was sampled."""
 
 
 Resolver = Callable[[list, list, float, str], int]
@@ -46,12 +55,21 @@ def to_groups(art_groups: Iterable[Any], tokenizer, adapter: str | None,
               resolve: Resolver | None = None) -> list[TrajectoryGroup]:
     """One of our groups per ART group with trajectories (a group whose rollouts all raised is
     left out: ART records those in `group.exceptions`); `adapter` is recorded as the sampler."""
-    groups = []
+    groups, unknown = [], []
     for gi, group in enumerate(art_groups):
-        trajs = [to_trajectory(t, tokenizer, adapter, f"group {gi}, trajectory {ti}", gi, resolve)
-                 for ti, t in enumerate(group.trajectories)]
+        trajs = []
+        for ti, t in enumerate(group.trajectories):
+            try:
+                trajs.append(to_trajectory(t, tokenizer, adapter, f"group {gi}, trajectory {ti}", gi, resolve))
+            except AmbiguousTokens as e:  # left out like a failed rollout: its tokens are not known exactly
+                unknown.append(str(e))
+                trajs.append(Trajectory(messages=[], token_ids=[], completion_mask=[], logprobs=[], adapter=adapter,
+                                        seed=gi, error=f"AmbiguousTokens: {e}"))
         if trajs:
             groups.append(TrajectoryGroup(seed=gi, trajectories=trajs))
+    if unknown:
+        log.warning("%d trajectories left out: their token ids are not known exactly (first: %s)", len(unknown),
+                    unknown[0])
     if not groups:
         raise UnsupportedTrajectory("no trajectory to train on: every group is empty (all rollouts raised? see "
                                     "each art.TrajectoryGroup's `exceptions`)")
@@ -84,7 +102,7 @@ def to_trajectory(traj: Any, tokenizer, adapter: str | None, where: str = "traje
             if isinstance(token, tuple):  # several candidates: ask the resolver, left to right
                 what = f"{where}, reply {k}, token {j}"
                 if resolve is None:
-                    raise UnsupportedTrajectory(f"{what}: {_AMBIGUOUS}")
+                    raise AmbiguousTokens(f"{what}: {_AMBIGUOUS}")
                 reply_ids[j] = resolve(ids + reply_ids[:j], list(token), reply_lps[j], what)
         ids += reply_ids
         mask += [1] * len(reply_ids)

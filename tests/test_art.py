@@ -147,6 +147,14 @@ def test_sglang_backend_trains_an_art_model_and_serves_the_trained_adapter(tiny_
                     assert result.metrics["probe_mad"] < 0.02, "the served adapter is not the trained one"
             with pytest.raises(ValueError, match="only the newest adapter"):
                 model.get_inference_name(step=1)
+            # ART's managed client asks the server for token ids: the trajectory uses them as sent.
+            messages = TASK.make_env(7).reset()
+            completion = await model.openai_client().chat.completions.create(
+                model=model.get_inference_name(), messages=messages, max_tokens=TASK.max_new_tokens, logprobs=True)
+            choice = completion.choices[0]
+            ids = choice.model_extra["response_token_ids"]
+            ours = to_trajectory(art.Trajectory(messages_and_choices=[*messages, choice]), backend.run(model).trainer.tokenizer, None)
+            assert ours.token_ids == choice.model_extra["prompt_token_ids"] + ids
             return rewards, results
         finally:
             await backend.close()

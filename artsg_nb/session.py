@@ -42,6 +42,7 @@ from .pipeline import PipelinedSteps
 from .plots import LiveTraining, load_rollouts, plot_training
 from .procs import RunDirLock
 from .recovery import ServerLostError, ServerRecovery  # noqa: F401  (ServerLostError: public here too)
+from .released import ReleasedTraining
 from .retention import prune_adapters
 from .rollout import collect_groups, require_rewards
 from .run_config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, check_resumable,
@@ -58,7 +59,7 @@ from .widgets import Dashboard
 log = logging.getLogger(__name__)
 
 
-class GRPORun(ServerRecovery, PipelinedSteps):
+class GRPORun(ServerRecovery, ReleasedTraining, PipelinedSteps):
     """One run: `start()`, then `await step()` per cell or `await run(n)`; `stop()` at the end."""
 
     def __init__(self, cfg: RunConfig):
@@ -175,36 +176,64 @@ class GRPORun(ServerRecovery, PipelinedSteps):
         a restart (its process group is killed, the step's server work redone)."""
         if self.trainer is None:
             raise RuntimeError("call start() before step()")
-        if self._unwritten_row is not None:  # the last step completed but its row was not written
-            row, self._unwritten_row = self._unwritten_row, None
-            self._write_row(row)
+        self._write_unwritten_row()
         self.watchdog.start()
         try:
             return await self._step()
         finally:
             await self.watchdog.stop()
 
+    async def train_on(self, groups) -> dict:
+        """step()'s second half on groups rolled out elsewhere (artsg_nb.art: ART's rollouts, from
+        the served adapter): update, save + reload + check, one row (no rollout_s / hit_rate)."""
+        if self.trainer is None:
+            raise RuntimeError("call start() before train_on()")
+        self._write_unwritten_row()
+        self.watchdog.start()
+        try:
+            await self.serve_initial()
+            self._pipeline_row = {}
+            return await self._update(self.trainer.step + 1, groups, None, None,
+                                      lambda gs, _step: self._train(gs))
+        finally:
+            await self.watchdog.stop()
+
+    async def serve_initial(self) -> None:
+        """Load the starting adapter (policy-step-0, or the resumed one) into the server, once;
+        step() and train_on() call it first, a caller rolling out on its own before that."""
+        if self._published:
+            return
+        if self.release:  # a server that cannot release fails here, before any rollout
+            await self.client.check_memory_saver(self.cfg.release_tags)
+        await self._with_restarts(self._publish, self._initial)
+        self._published = True
+        # The dashboard's windows run from one step's rollouts to the next (the adapter probe
+        # between them adds a few hundred prompt tokens); this is the first window's start.
+        self.tracker.add_sample(await self.client.metrics_text())
+
+    def _write_unwritten_row(self) -> None:
+        if self._unwritten_row is not None:  # the last step completed but its row was not written
+            row, self._unwritten_row = self._unwritten_row, None
+            self._write_row(row)
+
     async def _step(self) -> dict:
-        if not self._published:
-            if self.release:  # a server that cannot release fails here, before any rollout
-                await self.client.check_memory_saver(self.cfg.release_tags)
-            await self._with_restarts(self._publish, self._initial)
-            self._published = True
-            # The dashboard's windows run from one step's rollouts to the next (the adapter probe
-            # between them adds a few hundred prompt tokens); this is the first window's start.
-            self.tracker.add_sample(await self.client.metrics_text())
+        await self.serve_initial()
         step = self.trainer.step + 1
         log.info("step %d: rollouts under %s", step, self.adapter)  # phases in the log: a stall names its phase
         groups, hit_rate, rollout_s = await self._step_rollouts(step)  # pipeline.py: maybe sampled ahead
         log.info("step %d: %d groups in %.2f s; update%s", step, len(groups), rollout_s,
                  " (server memory released around it)" if self.release else "")
+        return await self._update(step, groups, hit_rate, rollout_s, self._step_train)
+
+    async def _update(self, step: int, groups, hit_rate, rollout_s, train) -> dict:
+        """Rewards → update (`train(groups, step)`) → save + reload → the step's history row."""
         require_rewards(groups)
         write_rollouts(self.run_dir, step, groups)
         n_constant, no_signal = constant_groups(groups)
         if no_signal:  # every group has one reward: no gradient; see _skip_update
             metrics, train_s, memory_s, (version, reload_s, probe) = self._skip_update(n_constant)
         else:
-            metrics, train_s, memory_s = await self._step_train(groups, step)
+            metrics, train_s, memory_s = await train(groups, step)
             log.info("step %d: update in %.2f s; save and reload", step, train_s)
             version, reload_s, probe = await self._save_and_reload(groups)
         row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
@@ -359,35 +388,6 @@ class GRPORun(ServerRecovery, PipelinedSteps):
                                     params, adapter=self.adapter, concurrency=cfg.concurrency,
                                     schedule=resolve_schedule(schedule, self.task.max_turns),
                                     max_seq_tokens=cfg.max_seq_tokens, sampling_seed_base=sampling_seed_base)
-
-    async def _train(self, groups) -> tuple[dict, float, tuple]:
-        """trainer.train_step, with the server's memory released around it when `self.release`.
-
-        A failed release raises before anything is trained (step() can run again); a server that
-        died is restarted as in rollouts (a fresh one has nothing to resume). If training fails,
-        the memory is taken back before the error goes up. Returns (metrics, train_s,
-        (release_s, resume_s)), the pair (None, None) when off.
-        """
-        with self.watchdog.paused():  # no /health probes while the memory is released
-            return await self._train_released(groups)
-
-    async def _train_released(self, groups) -> tuple[dict, float, tuple]:
-        release = lambda: self.client.release_memory(self.cfg.release_tags)  # noqa: E731
-        resume = lambda: self.client.resume_memory()  # noqa: E731  (self.client after a restart)
-        release_s = await self._with_restarts(release) if self.release else None
-        t0 = time.perf_counter()
-        try:
-            metrics = self.trainer.train_step(groups)
-        except BaseException:
-            if self.release:
-                try:
-                    await self._with_restarts(resume)
-                except Exception as e:  # the training error is the one to report
-                    log.error("could not resume the server's memory after a failed training step: %s", e)
-            raise
-        train_s = time.perf_counter() - t0
-        resume_s = await self._with_restarts(resume) if self.release else None
-        return metrics, train_s, (release_s, resume_s)
 
     async def _save_and_reload(self, groups):
         previous = self.publisher.current

@@ -19,16 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 NBSTRIPOUT = Path(sys.executable).with_name("nbstripout")
-STOPS_SERVER = re.compile(r"\.stop\(\)|stop_all\(\)")
+STOPS_SERVER = re.compile(r"\.stop\(\)|stop_all\(\)|backend\.close\(\)")
 
 
 def read(path: Path):
     return nbformat.read(path, as_version=4)
 
 
-def test_the_four_notebooks_exist():
+def test_the_five_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_multi_turn_agent.ipynb",
-                                           "03_vllm_vs_sglang.ipynb", "04_bring_your_own_task.ipynb"]
+                                           "03_vllm_vs_sglang.ipynb", "04_bring_your_own_task.ipynb",
+                                           "05_art_drop_in.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

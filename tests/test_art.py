@@ -1,0 +1,167 @@
+"""artsg_nb.art: ART's trajectories as token-exact ones, and SGLangBackend training a real
+art.TrainableModel through the CPU engine with a rollout written the way ART's docs write one."""
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+art = pytest.importorskip("art")
+
+from openai import AsyncOpenAI  # noqa: E402
+from openai.types.chat.chat_completion import Choice  # noqa: E402
+
+from artsg_nb.art import ArtVersionError, SGLangBackend, UnsupportedTrajectory  # noqa: E402
+from artsg_nb.art.convert import to_groups, to_trajectory  # noqa: E402
+from artsg_nb.run_config import RunConfig  # noqa: E402
+from artsg_nb.tasks import get_task  # noqa: E402
+
+
+def test_import_artsg_nb_does_not_import_art():
+    code = "import sys, artsg_nb, artsg_nb.session; print('art' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
+def _choice(tokenizer, ids, content=None, logprob=-0.5, **extra):
+    """A Choice as SGLang's chat route returns it (logprob entries name each token by its text)."""
+    entries = [{"token": tokenizer.decode([i]), "logprob": logprob, "bytes": None, "top_logprobs": []} for i in ids]
+    return Choice.model_validate({
+        "index": 0, "finish_reason": "stop", "logprobs": {"content": entries},
+        "message": {"role": "assistant", "content": content if content is not None else tokenizer.decode(ids)},
+        **extra})
+
+
+def test_a_single_turn_trajectory_is_the_prompt_then_the_servers_tokens(tiny_tokenizer):
+    tok = tiny_tokenizer
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    reply = tok.encode("5", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    traj = art.Trajectory(messages_and_choices=[*messages, _choice(tok, reply, "5")], reward=1.0)
+    ours = to_trajectory(traj, tok, "policy-step-0")
+    prompt = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)
+    assert ours.token_ids == prompt + reply and ours.prompt_len == len(prompt)
+    assert ours.completion_mask == [0] * len(prompt) + [1] * len(reply)
+    assert ours.logprobs[len(prompt):] == [-0.5] * len(reply) and ours.reward == 1.0 and ours.valid
+
+
+def test_server_token_ids_are_used_as_sent_and_multi_turn_keeps_env_messages(tiny_tokenizer):
+    tok = tiny_tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    first, second = [100, 200, end], [300, 301]  # ids the text lookup could not give: the server's are used
+    messages = [{"role": "user", "content": "hi"}]
+    c1 = _choice(tok, first, "x", response_token_ids=first, prompt_token_ids=[1, 2, 3])
+    c2 = _choice(tok, second, "y", response_token_ids=second)
+    traj = art.Trajectory(messages_and_choices=[*messages, c1, {"role": "user", "content": "again"}, c2,
+                                                {"role": "user", "content": "ignored: after the last reply"}],
+                          reward=0.5)
+    ours = to_trajectory(traj, tok, None)
+    assert ours.token_ids[:3] == [1, 2, 3] and ours.token_ids[3:6] == first
+    env = tok.encode("\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert ours.token_ids[6:] == env + second, "the template's <|im_end|> after the reply is the model's own"
+    assert ours.completion_mask == [0] * 3 + [1] * 3 + [0] * len(env) + [1] * 2
+    assert ours.turns == 2 and ours.messages[-1] == {"role": "assistant", "content": "y"}
+
+
+def test_unscoreable_trajectories_are_errors_naming_the_trajectory(tiny_tokenizer):
+    tok = tiny_tokenizer
+    messages = [{"role": "user", "content": "hi"}]
+    five = tok.encode("5", add_special_tokens=False)
+    good = art.Trajectory(messages_and_choices=[*messages, _choice(tok, five)], reward=1.0)
+    no_logprobs = _choice(tok, five).model_copy(update={"logprobs": None})
+    bad = art.Trajectory(messages_and_choices=[*messages, no_logprobs], reward=0.0)
+    with pytest.raises(UnsupportedTrajectory, match=r"group 1, trajectory 1, reply 0 .*no logprobs.*logprobs=True"):
+        to_groups([art.TrajectoryGroup([good, good]), art.TrajectoryGroup([good, bad])], tok, None)
+    tool = _choice(tok, five).model_copy(deep=True)
+    tool.message.tool_calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(UnsupportedTrajectory, match="trajectory 0, reply 0 .*tool calls"):
+        to_groups([art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*messages, tool], reward=1.0)])], tok, None)
+    with pytest.raises(UnsupportedTrajectory, match="no Choice"):
+        to_trajectory(art.Trajectory(messages_and_choices=[*messages, {"role": "assistant", "content": "x"}]), tok, None)
+
+
+def test_a_token_string_several_tokens_decode_to_needs_the_ids_or_the_resolver(tiny_tokenizer):
+    tok = tiny_tokenizer
+    same = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"]
+    assert len(same) > 1, "the tiny tokenizer has byte tokens that decode to U+FFFD alone"
+    traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, _choice(tok, [same[1]])])
+    with pytest.raises(UnsupportedTrajectory, match="return_token_ids"):
+        to_trajectory(traj, tok, None)
+    [group] = to_groups([art.TrajectoryGroup([traj, traj])], tok, None)  # left out, as failed rollouts are
+    assert [t.error.startswith("AmbiguousTokens") for t in group.trajectories] == [True, True]
+    asked = []
+    ours = to_trajectory(traj, tok, None, resolve=lambda prefix, cands, lp, where: asked.append(cands) or same[1])
+    assert ours.token_ids[-1] == same[1] and asked == [same]
+
+
+def test_register_refuses_an_untested_art_version(monkeypatch, tmp_path):
+    import artsg_nb.art.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "version", lambda name: "0.4.0")
+    model = art.TrainableModel(name="m", project="p", base_model="unused")
+    with pytest.raises(ArtVersionError, match=r"openpipe-art 0.4.0 .* tested with 0.5.18.*pip install openpipe-art==0.5.18"):
+        asyncio.run(model.register(SGLangBackend(path=str(tmp_path))))
+
+
+TASK = get_task("addition")  # the tiny model's pretraining leaves a habit GRPO removes in a few steps
+
+
+async def rollout(model: art.TrainableModel, scenario: int) -> art.Trajectory:
+    """ART's rollout shape: the model's base URL, key and inference name, the Choice appended."""
+    env = TASK.make_env(scenario)
+    messages = env.reset()
+    client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key)
+    completion = await client.chat.completions.create(model=model.get_inference_name(), messages=messages,
+                                                      max_tokens=TASK.max_new_tokens, logprobs=True)
+    choice = completion.choices[0]
+    return art.Trajectory(messages_and_choices=[*messages, choice], reward=env.step(choice.message.content or "").reward)
+
+
+@pytest.mark.slow
+def test_sglang_backend_trains_an_art_model_and_serves_the_trained_adapter(tiny_model_dir, tmp_path):
+    steps, groups_per_step, group_size = 5, 8, 8
+
+    async def main():
+        backend = SGLangBackend(path=str(tmp_path / ".art"), config=RunConfig(engine="cpu", verbose=False))
+        model = art.TrainableModel(name="adder", project="art-test", base_model=str(tiny_model_dir))
+        await model.register(backend)
+        try:
+            served = backend.run(model).client.served_model
+            assert model.get_inference_name() == f"{served}:policy-step-0"
+            rewards, results = [], []
+            for i in range(await model.get_step(), steps):
+                groups = await art.gather_trajectory_groups(
+                    (art.TrajectoryGroup(rollout(model, 1000 * i + s) for _ in range(group_size))
+                     for s in range(groups_per_step)), pbar_desc=None)
+                result = await backend.train(model, groups, learning_rate=3e-3)
+                await model.log(groups, metrics=result.metrics, step=result.step, split="train")
+                rewards.append(sum(t.reward for g in groups for t in g.trajectories) / (groups_per_step * group_size))
+                results.append(result)
+                # The adapter just trained is the one served, and the one the next rollouts ask for.
+                run = backend.run(model)
+                assert result.step == i + 1 and model.get_inference_name() == f"{served}:{run.adapter}"
+                assert set(await run.client.list_adapters()) == {run.adapter}
+                if not result.metrics.get("update_skipped"):  # a step without signal keeps the adapter
+                    assert run.adapter == f"policy-step-{i + 1}"
+                    assert result.metrics["probe_mad"] < 0.02, "the served adapter is not the trained one"
+            with pytest.raises(ValueError, match="only the newest adapter"):
+                model.get_inference_name(step=1)
+            # ART's managed client asks the server for token ids: the trajectory uses them as sent.
+            messages = TASK.make_env(7).reset()
+            completion = await model.openai_client().chat.completions.create(
+                model=model.get_inference_name(), messages=messages, max_tokens=TASK.max_new_tokens, logprobs=True)
+            choice = completion.choices[0]
+            ids = choice.model_extra["response_token_ids"]
+            ours = to_trajectory(art.Trajectory(messages_and_choices=[*messages, choice]), backend.run(model).trainer.tokenizer, None)
+            assert ours.token_ids == choice.model_extra["prompt_token_ids"] + ids
+            return rewards, results
+        finally:
+            await backend.close()
+
+    rewards, results = asyncio.run(main())
+    first, late = rewards[0], sum(rewards[-3:]) / 3
+    assert late >= first + 0.15, f"reward should rise: {[round(r, 3) for r in rewards]}"
+    assert results[-1].checkpoint_path.endswith("artsg_nb/adapters/policy-step-5")
+    history = tmp_path / ".art" / "art-test" / "models" / "adder" / "history.jsonl"
+    assert len(history.read_text().splitlines()) == steps, "model.log wrote ART's own history beside our run"

@@ -41,6 +41,8 @@
 #               256 new tokens (STEP_STEPS, default 6), $OUT/step.csv
 #   byo         notebooks/04 (dataset task, TRL-style rewards, eval before/after) on SmolLM2, via papermill
 #   quickstart-smol  notebooks/01 on SmolLM2 (learning rate follows the model), via papermill
+#   art-smol    notebooks/05 (an ART rollout function trained through artsg_nb.art.SGLangBackend) on
+#               SmolLM2, via papermill (needs the art and art-polars sets)
 #   pipeline    30 steps synchronous vs RunConfig(pipeline=True) on SGLang, SmolLM2 (PIPE_STEPS)
 #   faults-sglang  the loop/security fault tests against real SGLang (ARTSG_TEST_ENGINES=sglang)
 set -uo pipefail
@@ -91,6 +93,9 @@ for p in "$@"; do
     quickstart-smol) phase quickstart-smol 400 python3 -m papermill notebooks/01_quickstart.ipynb "$OUT/01_smol.ipynb" \
                    -p RUN_DIR /tmp/runs/qs-smol -p MODEL_PATH $SMOL --cwd notebooks --log-output
                  grep -E '^reward|reward:' "$OUT/quickstart-smol.log" | tail -2 | cut -c1-300 | sed 's/^/    /' ;;
+    art-smol)    phase art-smol 400 python3 -m papermill notebooks/05_art_drop_in.ipynb "$OUT/05_art_smol.ipynb" \
+                   -p RUN_DIR /tmp/runs/art-smol -p BASE_MODEL $SMOL --cwd notebooks --log-output
+                 grep -E 'reward|step [0-9]' "$OUT/art-smol.log" | tail -4 | cut -c1-300 | sed 's/^/    /' ;;
     pipeline)    phase pipeline 560 bash -c "python3 -m artsg_nb.train --engine sglang --model-path $SMOL --steps ${PIPE_STEPS:-30} \
                    --group-size 8 --groups-per-step 16 --run-dir /tmp/runs/sync && python3 -m artsg_nb.train --engine sglang \
                    --model-path $SMOL --steps ${PIPE_STEPS:-30} --group-size 8 --groups-per-step 16 --pipeline --run-dir /tmp/runs/pipe" ;;

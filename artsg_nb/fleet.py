@@ -35,7 +35,7 @@ from typing import Sequence
 
 from . import engines
 from .engines import AdapterExistsError
-from .metrics import CacheCounters, cache_counters, hit_rate
+from .metrics import CacheCounters, cache_counters, hit_rate, progress_tokens
 from .router import Router, start_router
 from .server import Server, ServerConfig, ServerError, resolve_api_key
 
@@ -280,8 +280,12 @@ class FleetClient:
         total = CacheCounters(0.0, 0.0)
         for server, text in zip(self.fleet.servers, texts):
             total = _plus(total, self.fleet.record(server, cache_counters(text, self.engine)))
-        return (f"{spec.prompt_counters[0]} {total.prompt_tokens}\n"
-                f"{spec.cached_counters[0]} {total.cached_tokens}\n")
+        out = (f"{spec.prompt_counters[0]} {total.prompt_tokens}\n"
+               f"{spec.cached_counters[0]} {total.cached_tokens}\n")
+        progress = [progress_tokens(text, self.engine) for text in texts]  # the watchdog's sign of work
+        if spec.progress_counters and None not in progress:
+            out += f"{spec.progress_counters[0]} {sum(progress)}\n"
+        return out
 
     async def aclose(self) -> None:
         await self.front.aclose()

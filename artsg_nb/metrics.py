@@ -80,10 +80,9 @@ def progress_tokens(text: str, engine: str) -> float | None:
     """Tokens the engine has processed so far, counted as it works (EngineSpec.progress_counters),
     from /metrics text; None when the engine exposes no such counter."""
     names = engines.get(engine).progress_counters
-    if not names:
-        return None
     values = parse_metrics(text)
-    return sum(values.get(name, 0.0) for name in names)
+    present = [values[name] for name in names if name in values]
+    return sum(present) if present else None  # absent (--disable-log-stats, an old engine): unknown, not 0
 
 
 def _first(values: dict[str, float], names: tuple[str, ...]) -> float:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
 from .engines import memory_tags
+from .engines.base import ADMIN_TIMEOUT_S
 from .grpo import GRPOConfig
 from .tasks import NOT_IMPORTABLE, Task, task_spec
 
@@ -78,10 +79,11 @@ class RunConfig:
     """A server that answers neither /health nor anything else for this long during a step (hung,
     SIGSTOPped, deadlocked) is killed and restarted like one that died, and the step's server work
     redone; 0 turns the watchdog off (then only the 600 s per-request timeout is left)."""
-    admin_timeout_s: float = 60.0
-    """Seconds an adapter load/unload or memory release/resume may take (each takes well under a
-    second on a healthy server): past it the call fails naming the operation, and the server is
-    restarted and the step redone like after a crash (SGLang 0.5.14's stuck unload, sglang#36894)."""
+    admin_timeout_s: float = ADMIN_TIMEOUT_S
+    """Seconds an admin call may take — adapter load/unload, memory release/resume, cache flush,
+    server info, metrics; each takes well under a second on a healthy server: past it the call fails
+    naming the operation, and the server is restarted and the step redone like after a crash
+    (SGLang 0.5.14's stuck unload, sglang#36894). 0: no own limit (the 600 s request timeout)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in run_dir."""
     verify_adapter: bool = True

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Literal, Mapping
 
 from . import engines
 from .engines import ENGINES
+from .engines.base import ADMIN_TIMEOUT_S
 from .server_env import server_args
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class ServerConfig:
     """Extra environment variables for the server process only."""
     startup_timeout_s: float | None = None
     """Seconds to wait for /health; None: 600 for sglang/vllm (first start compiles), 120 for cpu."""
-    admin_timeout_s: float = 60.0
+    admin_timeout_s: float = ADMIN_TIMEOUT_S
     """Seconds an admin call (adapter load/unload, memory release/resume, flush) may take before its
     client raises AdminTimeoutError naming it (engines.base.ADMIN_TIMEOUT_S)."""
     _command_override: tuple[str, ...] | None = field(default=None, repr=False)

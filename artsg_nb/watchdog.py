@@ -4,13 +4,16 @@ What it does: `HealthWatchdog` runs as a background task while a GRPO step talks
 Every `hang_timeout_s / 6` it asks GET /health (waiting up to `hang_timeout_s / 2` for the answer,
 so a busy server's slow /health is not a hang) and reads the process state (a stopped process,
 e.g. SIGSTOP, counts as not answering). A server gets its whole process group SIGKILLed when,
-for `hang_timeout_s`, either
+either
 
-* it has not answered /health (at least two failed polls in a row, so one poll delayed by
+* it has not answered /health for `hang_timeout_s` (at least two failed polls in a row, so one poll delayed by
   synchronous work that holds the event loop never counts as a hang), or
-* it answers /health but makes no progress: generation requests are in flight and the engine's
-  progress counter (tokens processed, counted every scheduler round: `metrics.progress_tokens`)
-  has not moved — a wedged scheduler, or requests stuck behind a stuck adapter operation.
+* it answers /health but makes no progress for `stall_timeout_s` (default 5 x hang_timeout_s, a
+  weaker sign, so a longer wait: a first JIT compile or a long prefill round holds the counter
+  still): generation requests are in flight and the engine's progress counter (tokens processed,
+  counted every scheduler round: `metrics.progress_tokens`) has not moved — a wedged scheduler, or
+  requests stuck behind a stuck adapter operation. A server without the counter is judged by
+  /health alone.
 
 Every request in flight then fails at once, and the session's restart logic restarts the server
 and redoes the step (the per-request timeout alone would wait 600 s). Admin calls that hang
@@ -34,6 +37,8 @@ from .metrics import progress_tokens
 log = logging.getLogger(__name__)
 
 MIN_FAILED_POLLS = 2
+STALL_FACTOR = 5
+"""stall_timeout_s defaults to this many hang_timeout_s (60 s → 300 s)."""
 
 
 class _Clock:
@@ -54,8 +59,9 @@ class HealthWatchdog:
     """`start()` / `stop()` around a step; `server_fn()` is the server.Server (or fleet.Fleet),
     `client_fn()` its current client."""
 
-    def __init__(self, server_fn, client_fn, hang_timeout_s: float):
+    def __init__(self, server_fn, client_fn, hang_timeout_s: float, stall_timeout_s: float | None = None):
         self.server_fn, self.client_fn, self.hang_timeout_s = server_fn, client_fn, hang_timeout_s
+        self.stall_timeout_s = STALL_FACTOR * hang_timeout_s if stall_timeout_s is None else stall_timeout_s
         self.interval_s = max(hang_timeout_s / 6, 0.05)
         self.poll_timeout_s = max(hang_timeout_s / 2, 0.1)
         self.fired = 0  # how many servers it killed
@@ -95,7 +101,7 @@ class HealthWatchdog:
                 last_progress = None
                 continue
             if not (await self._answers(server) or self._paused):
-                if self._expired(silent, server, "has not answered /health"):
+                if self._expired(silent, server, "has not answered /health", self.hang_timeout_s):
                     silent.reset(), idle.reset()
                 continue
             silent.reset()
@@ -104,17 +110,19 @@ class HealthWatchdog:
                 idle.reset()
                 last_progress = progress
             elif self._expired(idle, server, f"answers /health but processed no token while "
-                                             f"{self.client_fn().in_flight} requests were in flight"):
+                                             f"{self.client_fn().in_flight} requests were in flight",
+                               self.stall_timeout_s):
                 idle.reset()
                 last_progress = None
 
-    def _expired(self, clock: _Clock, server, what: str) -> bool:
-        """One more poll of `what`; past hang_timeout_s (and two polls), kill the server's process group."""
+    def _expired(self, clock: _Clock, server, what: str, limit_s: float) -> bool:
+        """One more poll of `what`; past `limit_s` (and two polls), kill the server's process group."""
         held_s = clock.tick()
-        if clock.polls < MIN_FAILED_POLLS or held_s < self.hang_timeout_s:
+        if clock.polls < MIN_FAILED_POLLS or held_s < limit_s:
             return False
-        log.error("%r %s for %.1f s (hang_timeout_s=%g); killing its process group so that the step is "
-                  "redone on a restarted server", server, what, held_s, self.hang_timeout_s)
+        log.error("%r %s for %.1f s (limit %g s: RunConfig.hang_timeout_s, x%d without progress); killing its "
+                  "process group so that the step is redone on a restarted server", server, what, held_s, limit_s,
+                  STALL_FACTOR)
         server.kill()
         self.fired += 1
         return True

@@ -203,6 +203,8 @@ class Scheduler:
             budget -= len(req.input_ids) - 1 - req.cached_tokens
             cached += req.cached_tokens
             prompt += len(req.input_ids)
+            self.metrics.on_round("prefill_compute", len(req.input_ids) - req.cached_tokens)  # per request:
+            self.metrics.on_round("prefill_cache", req.cached_tokens)  # a long round still shows progress
             if req.finish_reason is None:
                 joined.append((req, layers))
             else:
@@ -211,8 +213,6 @@ class Scheduler:
             self.batch.add(joined)
         if prompt:
             self.metrics.cache_hit_rate.set(cached / prompt)  # SGLang's gauge: the last round only
-            self.metrics.on_round("prefill_compute", prompt - cached)
-            self.metrics.on_round("prefill_cache", cached)
 
     def _prefill(self, req: Request) -> LayerKV:
         """Build the KV of every prompt token but the last; return it, one tensor pair per layer.

@@ -268,6 +268,8 @@ class EngineClient(abc.ABC):
         """An admin call under its own timeout (`admin_timeout_s` unless `timeout_s`): past it,
         AdminTimeoutError says which operation hung, instead of the generation timeout's wait."""
         limit_s = timeout_s or self.admin_timeout_s
+        if not limit_s or limit_s <= 0:  # admin_timeout_s=0: no own limit, the generation timeout applies
+            return await self._request(method, path, op, **kwargs)
         try:
             return await self._request(method, path, op, timeout=httpx.Timeout(limit_s, connect=min(30.0, limit_s)),
                                        **kwargs)
@@ -275,9 +277,11 @@ class EngineClient(abc.ABC):
             if not isinstance(e.__cause__, httpx.TimeoutException):
                 raise
             raise AdminTimeoutError(
-                f"{self.engine} did not {what} within {limit_s:g} s ({method} {self.base_url}{path}): the server "
-                "answers /health but this operation hung. The run restarts the server and redoes the step; "
-                "its log says where it stopped (server.log_tail()).", operation=what) from e
+                f"{self.engine} did not {what} within {limit_s:g} s ({method} {self.base_url}{path}); the server may "
+                "still answer /health, but this operation hung (SGLang's unload after n > 1 requests does: "
+                "sglang#36894). Inside a GRPORun the server is restarted and the step redone. Its log says where it "
+                "stopped (server.log_tail()); if the operation is only slow here (a large adapter on a network "
+                "disk), raise RunConfig.admin_timeout_s.", operation=what) from e
 
     async def _request(self, method: str, path: str, op: str = "other", **kwargs) -> httpx.Response:
         """One request; `resp.retried` says whether it went out twice (see below). An error

@@ -100,6 +100,7 @@ class SGLangClient(EngineClient):
     lora_n_problem = staticmethod(lora_n_problem)
     """Set from the engine's spec by engines.make_client."""
     _n_problem: object = _UNKNOWN
+    _n_lock: asyncio.Lock | None = None
     info_source: "SGLangClient | None" = None
     """The client whose /server_info describes the engine behind this URL (a router in front of
     workers: its own /server_info names no engine version); None: this one."""
@@ -110,18 +111,26 @@ class SGLangClient(EngineClient):
     }
 
     async def native_n_problem(self) -> str | None:
-        """Why this server must not get native n > 1 under an adapter (None: it may); asked once."""
+        """Why this server must not get native n > 1 under an adapter (None: it may); asked once,
+        also when a rollout's first requests all ask at the same moment."""
         if self._n_problem is _UNKNOWN:
-            try:
-                info = await (self.info_source or self).server_info()
-            except EngineError as e:  # unknown version: affected, as lora_n_problem assumes
-                log.debug("%s /server_info failed (%s): assuming the n > 1 LoRA bug", self.engine, e)
-                info = {}
-            self._n_problem = self.lora_n_problem(info)
-            if self._n_problem:
-                log.info("%s: %s; n > 1 under an adapter is sent as a warm-up plus one batch of n samples",
-                         self.engine, self._n_problem)
+            self._n_lock = self._n_lock or asyncio.Lock()
+            async with self._n_lock:
+                if self._n_problem is _UNKNOWN:
+                    self._n_problem = await self._ask_n_problem()
         return self._n_problem
+
+    async def _ask_n_problem(self) -> str | None:
+        try:
+            info = await (self.info_source or self).server_info()
+        except EngineError as e:  # unknown version: affected, as lora_n_problem assumes
+            log.debug("%s /server_info failed (%s): assuming the n > 1 LoRA bug", self.engine, e)
+            info = {}
+        problem = self.lora_n_problem(info)
+        if problem:
+            log.info("%s: %s; n > 1 under an adapter is sent as a warm-up plus one batch of n samples",
+                     self.engine, problem)
+        return problem
 
     async def _generate(self, input_ids, params, adapter) -> list[Generation]:
         if params.n > 1 and adapter is not None and await self.native_n_problem():

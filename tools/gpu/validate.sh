@@ -71,9 +71,9 @@ phase() {  # phase NAME LIMIT_S COMMAND...
 for p in "$@"; do
   echo "[$(date +%H:%M:%S)] phase $p"
   case $p in
-    smoke)       phase tiny 240 python3 -m artsg_nb.tiny_model $TINY
+    smoke)       [[ -f $TINY/config.json ]] || phase tiny 240 python3 -m artsg_nb.tiny_model $TINY
                  SMOKE_JSON="$OUT/$(date +%Y%m%d)-h200-smoke.json"
-                 timeout 560 env ARTSG_TINY_MODEL=$TINY python3 tools/gpu/defaults_smoke.py --model $TINY \
+                 timeout 540 env ARTSG_TINY_MODEL=$TINY python3 tools/gpu/defaults_smoke.py --model $TINY \
                    --out "$SMOKE_JSON" ${SMOKE_PARTS:+--parts $SMOKE_PARTS} 2>&1 | tee "$OUT/smoke.log" \
                    | grep -E '^(PASS|FAIL) |^    |schedule ' | cut -c1-400
                  [[ ${PIPESTATUS[0]} == 0 ]] || FAILS=$((FAILS + 1)) ;;

@@ -28,8 +28,9 @@ def _served(run) -> list[set[str]]:
 
 def test_steps_through_two_engines_keep_hits_and_survive_a_killed_worker(tiny_model_dir, tmp_path):
     # scripted reward: every step has a signal, so every step publishes a new adapter
-    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
-                    group_size=4, groups_per_step=4, num_servers=2, max_restarts=2, verbose=False)
+    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
+                    run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=4, num_servers=2, max_restarts=2,
+                    verbose=False)
     with GRPORun(cfg) as run:
         assert isinstance(run.server, Fleet) and isinstance(run.client, FleetClient)
         assert run.server.router is not None and len(run.server.servers) == 2

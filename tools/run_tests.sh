@@ -39,8 +39,8 @@ fresh_home() {
 
 # pytest's closing line ("3 failed, 40 passed in 12.3s"), the faults line, the short summary's FAILED/ERROR lines
 closing_lines() {
-    grep -E '^(FAILED|ERROR) |^faults: [0-9]+ injected|(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s' \
-        "$1" | tail -n 40
+    local closing='(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s'
+    grep -E "^(FAILED|ERROR) |^faults: [0-9]+ injected|$closing" "$1" | tail -n 40
 }
 
 for name in "$@"; do suite_command "$name" >/dev/null || exit 2; done

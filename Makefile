@@ -1,6 +1,7 @@
 # Two commands for a fresh machine (see README):
 #   make demo   set up, then run the quickstart notebook headless (CPU engine + tiny model without a GPU)
 #   make test   set up, then run every test (unit, integration, faults, notebooks, browser)
+#   make test-faults / make test-main   one suite (see tools/run_tests.sh)
 # Without conda, environments live in .venv/ (kernel) and .venv-server/ (SGLang, GPU boxes only),
 # built from environment-train.yml / environment-server.yml; re-running reuses what is installed.
 
@@ -41,15 +42,14 @@ demo: venv
 	$(if $(GPU),$(MAKE) server-env,)
 	$(PY) -m artsg_nb.demo --run-dir $(RUN_DIR)
 
+# Every suite runs with HOME and every cache in a fresh, empty temporary directory (a new user's
+# machine: the tiny model comes from the repository, SmolLM2 is fetched again), and each suite runs
+# even when another failed; the last lines are each suite's summary, the exit status 1 if any failed.
 test: venv browser-deps
-	$(MAKE) test-faults
-	$(MAKE) test-main
+	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) tools/run_tests.sh faults main
 
-test-faults:
-	$(PY) -m pytest -m faults -p no:cacheprovider -q
-
-test-main:
-	$(PY) -m pytest -m "not faults" -p no:cacheprovider -q --nbmake notebooks --nbmake-timeout=$(NB_TIMEOUT) tests
+test-faults test-main: test-%:
+	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) tools/run_tests.sh $*
 
 clean-runs:
 	rm -rf runs

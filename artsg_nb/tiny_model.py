@@ -34,6 +34,14 @@ that slowly. Fewer pretraining steps are not safe: the skills appear suddenly so
 ~300-600 clean steps, and a random model scores ~0 on both tasks (all-zero groups give GRPO
 nothing to learn from). `0.5b` defaults to 0: random weights, for measuring serving speed on a GPU.
 
+The default build (tiny, seed 0, 800 pretraining steps) is shipped with the package, in
+`shipped/tiny-s0-p800/` (~0.95 MB) next to a sha256sum list of its files: the weights a build
+produces depend on the CPU (the float arithmetic of pretraining differs between CPUs), so a model
+built on each machine would make tests, the demo and the notebooks sample differently from one
+machine to the next. `default_model_dir()` returns the shipped copy; other sizes, seeds and step
+counts are built into the cache. After an edit to this file or tasks.py (the recipe),
+`python -m artsg_nb.tiny_model --ship` rebuilds it; tests/test_tiny_model.py fails until then.
+
 A build goes to a temporary sibling directory, `.complete` is written last and the directory is
 renamed into place, so a crashed build is never mistaken for a finished one. `.complete` records
 size, seed, steps and a hash of this file and tasks.py: a directory with the same record is
@@ -43,6 +51,7 @@ What it does not do: download anything, or produce a model that is good at anyth
 package's own tasks.
 
     python -m artsg_nb.tiny_model OUT_DIR [--size tiny|0.5b] [--seed 0] [--pretrain-steps N]
+    python -m artsg_nb.tiny_model --ship      # rebuild the shipped default and its sha256 list
 """
 from __future__ import annotations
 
@@ -308,8 +317,9 @@ def pretrain(model, tokenizer, steps: int, seed: int, phases: tuple[Phase, ...] 
              batch_size: int = PRETRAIN_BATCH, lr: float = PRETRAIN_LR) -> list[float]:
     """`steps` AdamW steps on fresh task transcripts, phase after phase. Returns the losses.
 
-    Runs on one thread: ops this small are faster that way, and the result is the same on every
-    machine with the same torch build. Nothing in it draws from torch's RNG (no dropout)."""
+    Runs on one thread: ops this small are faster that way, and a rerun on the same machine gives
+    the same weights (another CPU may not: its float kernels round differently, which is why the
+    default build is shipped). Nothing in it draws from torch's RNG (no dropout)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -460,6 +470,27 @@ def _move_into_place(tmp: Path, out_dir: Path, marker: dict) -> None:
             raise
 
 
+SHIPPED_DIR = Path(__file__).parent / "shipped" / "tiny-s0-p800"
+SHIPPED_SUMS = SHIPPED_DIR.with_name(SHIPPED_DIR.name + ".sha256")  # `sha256sum -c` format, one line per file
+
+
+def shipped_marker() -> dict:
+    """The `.complete` record of the shipped build: its size, seed, steps and recipe."""
+    return json.loads((SHIPPED_DIR / ".complete").read_text())
+
+
+def file_sums(out_dir: Path) -> dict[str, str]:
+    """sha256 of every file of a build, by name (`.complete` included)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(out_dir).iterdir()) if p.is_file()}
+
+
+def ship() -> Path:
+    """Rebuild the shipped default (a no-op when it is by the current recipe) and its sha256 list."""
+    out = build_tiny_model(SHIPPED_DIR, "tiny", 0, DEFAULT_PRETRAIN_STEPS["tiny"])
+    SHIPPED_SUMS.write_text("".join(f"{digest}  {name}\n" for name, digest in file_sums(out).items()))
+    return out
+
+
 def cache_root() -> Path:
     """$ARTSG_CACHE, else ~/.cache/artsg_nb."""
     return Path(os.environ.get("ARTSG_CACHE") or Path.home() / ".cache" / "artsg_nb").expanduser()
@@ -467,22 +498,34 @@ def cache_root() -> Path:
 
 def default_model_dir(size: Literal["tiny", "0.5b"] = "tiny", pretrain_steps: int | None = None,
                       seed: int = 0) -> Path:
-    """The cached build <cache_root>/models/<size>-s<seed>-p<steps>, built on first use.
+    """The shipped build (SHIPPED_DIR) when it is the one asked for, else the cached build
+    <cache_root>/models/<size>-s<seed>-p<steps>, built on first use.
 
-    `pretrain_steps=None` takes DEFAULT_PRETRAIN_STEPS[size]."""
+    `pretrain_steps=None` takes DEFAULT_PRETRAIN_STEPS[size]. The shipped build is returned even
+    when the recipe has changed since it was built: the same weights everywhere matter more than a
+    rebuild that differs per CPU (tests/test_tiny_model.py says when to run --ship)."""
     steps = DEFAULT_PRETRAIN_STEPS[size] if pretrain_steps is None else pretrain_steps
+    wanted = _marker(size, seed, steps)
+    if is_complete(SHIPPED_DIR) and {**shipped_marker(), "recipe": wanted["recipe"]} == wanted:
+        return SHIPPED_DIR
     return build_tiny_model(cache_root() / "models" / f"{size}-s{seed}-p{steps}", size, seed, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m artsg_nb.tiny_model", description=__doc__.split("\n")[0])
-    p.add_argument("out_dir", type=Path)
+    p.add_argument("out_dir", type=Path, nargs="?", help="where to build (not with --ship)")
+    p.add_argument("--ship", action="store_true", help=f"rebuild the shipped default in {SHIPPED_DIR}")
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pretrain-steps", type=int, default=None,
                    help="supervised steps on task transcripts (default: %s)" % DEFAULT_PRETRAIN_STEPS)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if a.ship == (a.out_dir is not None):
+        p.error("give OUT_DIR or --ship")
+    if a.ship:
+        print(ship())
+        return 0
     steps = DEFAULT_PRETRAIN_STEPS[a.size] if a.pretrain_steps is None else a.pretrain_steps
     print(build_tiny_model(a.out_dir, a.size, a.seed, steps))
     return 0

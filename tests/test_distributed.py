@@ -72,7 +72,8 @@ def test_two_gloo_ranks_update_the_lora_like_one_process(tiny_model_dir, tmp_pat
 # ---- RunConfig(trainer_ranks=2): the kernel is rank 0, one worker process is rank 1 --------------
 def _run_config(tiny_model_dir, run_dir, **kw):
     from artsg_nb.session import RunConfig
-    return RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), run_dir=str(run_dir),
+    from scripted_tasks import ADDITION_WITH_SIGNAL  # every step trains: its loss and adapter are compared
+    return RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(run_dir),
                      group_size=4, groups_per_step=4, verbose=False, **kw)
 
 

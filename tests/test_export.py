@@ -13,12 +13,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from artsg_nb.retention import steps_to_delete
 from artsg_nb.server import check_model_path
 from artsg_nb.session import GRPORun, RunConfig
+from scripted_tasks import ADDITION_WITH_SIGNAL
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
-    """A run of three steps keeping the newest version and every second one; stopped afterwards."""
-    cfg = RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir),
+    """A run of three steps keeping the newest version and every second one; stopped afterwards.
+    The reward is scripted, so every step trains and publishes (the adapter is not the zero one)."""
+    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
                     run_dir=str(tmp_path_factory.mktemp("export") / "run"), group_size=4, groups_per_step=2,
                     verify_adapter=False, verbose=False, keep_adapters=1, keep_every=2)
     out = tmp_path_factory.mktemp("exported")

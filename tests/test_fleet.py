@@ -14,6 +14,7 @@ import pytest
 
 from artsg_nb.fleet import Fleet, FleetClient
 from artsg_nb.session import GRPORun, RunConfig
+from scripted_tasks import ADDITION_WITH_SIGNAL
 
 pytest.importorskip("sglang_router", reason="needs the sglang-router package (environment-train.yml)")
 pytestmark = pytest.mark.slow
@@ -26,8 +27,10 @@ def _served(run) -> list[set[str]]:
 
 
 def test_steps_through_two_engines_keep_hits_and_survive_a_killed_worker(tiny_model_dir, tmp_path):
-    cfg = RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
-                    group_size=4, groups_per_step=4, num_servers=2, max_restarts=2, verbose=False)
+    # scripted reward: every step has a signal, so every step publishes a new adapter
+    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
+                    run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=4, num_servers=2, max_restarts=2,
+                    verbose=False)
     with GRPORun(cfg) as run:
         assert isinstance(run.server, Fleet) and isinstance(run.client, FleetClient)
         assert run.server.router is not None and len(run.server.servers) == 2

@@ -11,12 +11,14 @@ import pytest
 
 from artsg_nb.run_config import resolve_release
 from artsg_nb.session import GRPORun, RunConfig
+from scripted_tasks import ADDITION_WITH_SIGNAL
 
 
 def _cfg(tiny_model_dir, tmp_path, **kw):
+    # scripted reward: every step has a signal, so every step trains and publishes a new adapter
     kw = {"group_size": 4, "groups_per_step": 4, **kw}
-    return RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
-                     verbose=False, **kw)
+    return RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
+                     run_dir=str(tmp_path / "run"), verbose=False, **kw)
 
 
 def test_steps_train_on_rollouts_of_the_previous_adapter(tiny_model_dir, tmp_path):

@@ -317,14 +317,13 @@ def test_concurrency_bounds_requests_in_flight(chatml_tokenizer):
 # ------------------------------------------------------------------------------ CPU engine
 
 @pytest.fixture(scope="module")
-def cpu_engine(tmp_path_factory):
+def cpu_engine(tmp_path_factory, tiny_model_dir):
     """(client factory, tokenizer) of a real CPU engine subprocess serving the tiny model."""
     from transformers import AutoTokenizer
 
     from artsg_nb.server import ServerConfig, start_server
-    from artsg_nb.tiny_model import default_model_dir
 
-    model = str(default_model_dir())
+    model = str(tiny_model_dir)
     server = start_server(ServerConfig(engine="cpu", model_path=model,
                                        run_dir=tmp_path_factory.mktemp("rollout-engine")))
     yield server, AutoTokenizer.from_pretrained(model)

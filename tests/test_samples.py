@@ -12,6 +12,7 @@ from artsg_nb.history import History
 from artsg_nb.samples import constant_groups
 from artsg_nb.session import GRPORun, RunConfig
 from artsg_nb.tasks import StepResult
+from scripted_tasks import alternating_reward
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +68,9 @@ def test_step_without_signal_skips_the_update_and_keeps_the_served_adapter(run, 
     assert (run.run_dir / "adapters" / f"policy-step-{row['step']}" / "trainer_state.json").exists()
     assert History.load(run.run_dir).last["update_skipped"] is True
     assert "no update (no signal)" in History.format_row(row)
-    # The next step with a signal trains again and publishes a new version.
+    # The next step with a signal (scripted, member i earns i % 2) trains again and publishes a new version.
     monkeypatch.undo()
+    monkeypatch.setattr(run, "task", replace(real_task, group_reward=alternating_reward))
     row = asyncio.run(run.step())
     assert not row["update_skipped"] and row["adapter"] == f"policy-step-{row['step']}" == run.adapter
 

@@ -4,11 +4,13 @@ rollouts outside training (GRPORun.rollouts) under the newest adapter."""
 import asyncio
 
 from artsg_nb.session import GRPORun, RunConfig
+from scripted_tasks import ADDITION_WITH_SIGNAL
 
 
 def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
-    cfg = RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
-                    group_size=4, groups_per_step=2, verbose=False)
+    # scripted reward: every step has a signal, so every step publishes a new adapter
+    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
+                    run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=2, verbose=False)
     seen = []
     with GRPORun(cfg) as run:
         real_collect = run._rollouts

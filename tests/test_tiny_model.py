@@ -1,6 +1,7 @@
-"""The offline tiny model: loads and generates in transformers, chat template and tokenizer facts,
-deterministic builds, the build-directory lifecycle, a LoRA step that leaves the base untouched,
-and the 0.5b shape (on the meta device: no weights)."""
+"""The offline tiny model: the shipped build is the recorded one, by the current recipe; it loads
+and generates in transformers; chat template and tokenizer facts, deterministic builds, the
+build-directory lifecycle, a LoRA step that leaves the base untouched, and the 0.5b shape (on the
+meta device: no weights)."""
 import hashlib
 import json
 
@@ -11,6 +12,23 @@ from artsg_nb import tasks, tiny_model
 from artsg_nb.tiny_model import CHAT_EOS, build_tiny_model, encode_transcript
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_shipped_build_is_the_recorded_one_by_the_current_recipe():
+    """Every machine tests the same weights: the committed files are the ones their sha256 list
+    records, the config is the tiny size's, and the recipe is this tiny_model.py and tasks.py."""
+    listed = {name: digest for digest, name in
+              (line.split("  ", 1) for line in tiny_model.SHIPPED_SUMS.read_text().splitlines())}
+    assert tiny_model.file_sums(tiny_model.SHIPPED_DIR) == listed, \
+        f"{tiny_model.SHIPPED_DIR} differs from {tiny_model.SHIPPED_SUMS.name}; restore it with git checkout"
+    cfg = json.loads((tiny_model.SHIPPED_DIR / "config.json").read_text())
+    expected = tiny_model.model_config("tiny").to_diff_dict()
+    expected.pop("transformers_version")  # which transformers wrote it does not change the model
+    assert {k: cfg.get(k) for k in expected} == expected
+    marker = tiny_model._marker("tiny", 0, tiny_model.DEFAULT_PRETRAIN_STEPS["tiny"])
+    assert tiny_model.shipped_marker() == marker, (
+        "tiny_model.py or tasks.py changed since the shipped tiny model was built: rebuild it with "
+        "`python -m artsg_nb.tiny_model --ship` and commit artsg_nb/shipped/")
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +175,9 @@ def test_partial_dir_is_rebuilt_but_foreign_files_are_kept(tmp_path, fake_writes
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
-def test_default_model_dir_uses_the_cache(tmp_path, monkeypatch, fake_writes):
+def test_default_model_dir_is_the_shipped_build_and_others_use_the_cache(tmp_path, monkeypatch, fake_writes):
     monkeypatch.setenv("ARTSG_CACHE", str(tmp_path))
-    assert tiny_model.default_model_dir() == tmp_path / "models" / "tiny-s0-p800"
+    assert tiny_model.default_model_dir() == tiny_model.SHIPPED_DIR and fake_writes == []
     assert tiny_model.default_model_dir("0.5b") == tmp_path / "models" / "0.5b-s0-p0"
     assert tiny_model.default_model_dir(pretrain_steps=5, seed=2) == tmp_path / "models" / "tiny-s2-p5"
 

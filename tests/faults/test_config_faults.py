@@ -30,10 +30,8 @@ pytestmark = pytest.mark.faults
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    from artsg_nb.tiny_model import default_model_dir
-
-    return default_model_dir()
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def assert_nothing_launched(run_dir, records) -> None:

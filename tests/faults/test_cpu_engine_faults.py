@@ -29,7 +29,6 @@ import torch
 from safetensors.torch import save_file
 
 from artsg_nb.server import ServerConfig, start_server
-from artsg_nb.tiny_model import default_model_dir
 
 pytestmark = pytest.mark.faults
 
@@ -37,8 +36,8 @@ GOOD = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True, "sampling_
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return default_model_dir()
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")

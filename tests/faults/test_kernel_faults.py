@@ -35,11 +35,9 @@ time.sleep(600)
 '''
 
 
-def test_kernel_restart_reaps_the_dead_kernels_server(tmp_path, fake_engine, private_server_records):
-    from artsg_nb.tiny_model import default_model_dir
-
+def test_kernel_restart_reaps_the_dead_kernels_server(tmp_path, fake_engine, private_server_records, tiny_model_dir):
     run_dir = tmp_path / "run"
-    kernel, port, pid = start_kernel(OLD_KERNEL, str(default_model_dir()), str(run_dir))
+    kernel, port, pid = start_kernel(OLD_KERNEL, str(tiny_model_dir), str(run_dir))
     started = procs.create_time(pid)
     kernel.send_signal(signal.SIGKILL)
     kernel.wait()

@@ -41,10 +41,13 @@ from artsg_nb.engines import SGLangClient
 from artsg_nb.lora import AdapterMismatchError
 from artsg_nb.session import GRPORun, RunConfig
 from artsg_nb.trainer import CheckpointError
+from scripted_tasks import ADDITION_WITH_SIGNAL
 
 pytestmark = pytest.mark.faults
 
-CFG = RunConfig(task="addition", engine="cpu", group_size=2, groups_per_step=2, lora_rank=8, lora_alpha=16,
+# The reward is scripted (member i of a group earns i % 2): every step updates and publishes
+# policy-step-N, which the faults below are timed on, whatever the model samples.
+CFG = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", group_size=2, groups_per_step=2, lora_rank=8, lora_alpha=16,
                 seed=11, max_restarts=10, hang_timeout_s=3.0, verbose=False)
 STALE, FRESH = ".tmp-policy-step-3-0dead000", ".tmp-policy-step-4-0live000"
 

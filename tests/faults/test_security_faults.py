@@ -39,6 +39,10 @@ from test_server import fake_cfg, fake_engine, start_kernel  # noqa: F401  (a fi
 
 pytestmark = pytest.mark.faults
 
+# A request that proves the server answers: exactly 2 tokens whatever the model would sample
+# (ignore_eos), so the check does not depend on where these weights happen to stop.
+TWO_TOKENS = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir):
@@ -78,7 +82,7 @@ def test_default_server_requires_a_key_that_no_argv_shows(tmp_path, model_dir, p
 
         async def generate():
             async with server.client() as client:  # sends the key
-                return await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0))
+                return await client.generate([1, 2, 3], TWO_TOKENS)
         assert len(asyncio.run(generate())[0].output_ids) == 2
 
         records = [tmp_path / f"{fault_engine}.server.json", *private_server_records.glob("*.json")]
@@ -113,7 +117,7 @@ def test_kernel_restart_adopts_the_live_server(tmp_path, model_dir, private_serv
     try:
         async def generate():
             async with server.client() as client:
-                return await client.generate([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0))
+                return await client.generate([1, 2, 3], TWO_TOKENS)
         assert len(asyncio.run(generate())[0].output_ids) == 2
         usable_s = time.monotonic() - t0
         print(f"kernel restart → usable server in {usable_s:.2f} s (adopted pid {pid})")

@@ -40,10 +40,13 @@ from safetensors.torch import load_file
 from artsg_nb.engines import AdapterRankError, EngineError, SGLangClient
 from artsg_nb.lora import AdapterSaveError, AdapterVersion, load_version
 from artsg_nb.session import GRPORun, RunConfig, ServerLostError
+from scripted_tasks import ADDITION_WITH_SIGNAL
 
 pytestmark = pytest.mark.faults
 
-CFG = RunConfig(task="addition", engine="cpu", group_size=4, groups_per_step=2, lora_rank=8, lora_alpha=16,
+# The reward is scripted (member i of a group earns i % 2): every step updates and publishes
+# policy-step-N, which the faults below are timed on, whatever the model samples.
+CFG = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", group_size=4, groups_per_step=2, lora_rank=8, lora_alpha=16,
                 seed=7, max_restarts=3, api_key="faults-suite-key", verbose=False)
 STEPS = 6  # the reference run's length: the faulted run reaches step 6 through every fault below
 
@@ -59,10 +62,8 @@ LOSS_RTOL, WEIGHT_RTOL, WEIGHT_ATOL, IS_RATIO_ATOL = 1e-5, 1e-5, 1e-6, 1e-5
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    from artsg_nb.tiny_model import default_model_dir
-
-    return default_model_dir()
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")

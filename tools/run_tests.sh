@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Run test suites as a new user's fresh clone would, and say at the end how each went.
+#
+# What it does: makes an empty temporary HOME and points every cache the project and its
+# libraries keep into it (artsg_nb's models, downloads and server records; Hugging Face, pip,
+# matplotlib, IPython, Jupyter, XDG dirs), so a stale cache can never make a run pass; runs each
+# suite named on the command line even when an earlier one failed; then prints each suite's
+# closing pytest lines (and the faults suite's own line) and exits 1 if any suite failed.
+# What it does not: install anything (`make venv` does), or keep the temporary HOME (it is
+# removed on exit; KEEP_TEST_HOME=1 keeps it and says where it is).
+#
+#   tools/run_tests.sh faults main      # what `make test` runs; `make test-faults` runs one
+set -uo pipefail
+
+PY=${PY:-.venv/bin/python}
+NB_TIMEOUT=${NB_TIMEOUT:-900}
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q)
+
+suite_command() {
+    case $1 in
+        faults) echo "${PYTEST[*]} -m faults" ;;
+        main) echo "${PYTEST[*]} -m 'not faults' --nbmake notebooks --nbmake-timeout=$NB_TIMEOUT tests" ;;
+        *) echo "unknown suite '$1' (known: faults, main)" >&2; return 2 ;;
+    esac
+}
+
+fresh_home() {
+    home=$(mktemp -d -t artsg-test-home.XXXXXX)
+    if [[ -n ${KEEP_TEST_HOME:-} ]]; then echo "test HOME kept in $home"; else trap 'rm -rf "$home"' EXIT; fi
+    export HOME=$home XDG_CACHE_HOME=$home/.cache XDG_CONFIG_HOME=$home/.config XDG_DATA_HOME=$home/.local/share
+    export ARTSG_CACHE=$home/.cache/artsg_nb ARTSG_STATE_DIR=$home/.cache/artsg_nb/servers
+    export HF_HOME=$home/.cache/huggingface PIP_CACHE_DIR=$home/.cache/pip MPLCONFIGDIR=$home/.config/matplotlib
+    export IPYTHONDIR=$home/.ipython JUPYTER_CONFIG_DIR=$home/.jupyter JUPYTER_DATA_DIR=$home/.local/share/jupyter
+    export TORCHINDUCTOR_CACHE_DIR=$home/.cache/torchinductor TRITON_CACHE_DIR=$home/.cache/triton
+    # an outer setting would point the tests at a cache other than the fresh one
+    unset HF_HUB_CACHE HF_DATASETS_CACHE TRANSFORMERS_CACHE TORCH_HOME JUPYTER_RUNTIME_DIR
+    if [[ -n ${ARTSG_TINY_MODEL:-} ]]; then echo "ARTSG_TINY_MODEL is set: the tests run on $ARTSG_TINY_MODEL"; fi
+}
+
+# pytest's closing line ("3 failed, 40 passed in 12.3s"), the faults line, the short summary's FAILED/ERROR lines
+closing_lines() {
+    local closing='(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s'
+    grep -E "^(FAILED|ERROR) |^faults: [0-9]+ injected|$closing" "$1" | tail -n 40
+}
+
+for name in "$@"; do suite_command "$name" >/dev/null || exit 2; done
+fresh_home
+declare -A rc
+for name in "$@"; do
+    cmd=$(suite_command "$name")
+    echo "==== suite $name: $cmd"
+    eval "$cmd" 2>&1 | tee "$home/$name.log"
+    rc[$name]=${PIPESTATUS[0]}
+done
+
+echo
+echo "==== every suite's summary (HOME and caches were an empty $home)"
+failed=()
+for name in "$@"; do
+    echo "-- suite $name: exit ${rc[$name]}"
+    closing_lines "$home/$name.log" || echo "(no pytest summary line: it stopped early; see the output above)"
+    [[ ${rc[$name]} == 0 ]] || failed+=("$name")
+done
+if (( ${#failed[@]} )); then
+    echo "==== FAILED suites: ${failed[*]}"
+    exit 1
+fi

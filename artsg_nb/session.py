@@ -188,6 +188,8 @@ class GRPORun(ServerRecovery, PipelinedSteps):
         if not self._published:
             if self.release:  # a server that cannot release fails here, before any rollout
                 await self.client.check_memory_saver(self.cfg.release_tags)
+            # An adopted (or re-used) server still holds the adapters an earlier kernel loaded.
+            await self._with_restarts(self.publisher.clear)
             await self._with_restarts(self._publish, self._initial)
             self._published = True
             # The dashboard's windows run from one step's rollouts to the next (the adapter probe

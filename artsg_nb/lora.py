@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from .checkpoint import CheckpointError
 from .engines import UnknownAdapterError
 
@@ -86,7 +88,8 @@ def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> Adapter
         _fsync_dir(adapters_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written version behind
-        if not isinstance(e, OSError):
+        # safetensors reports a failed write (disk full) as SafetensorError, not OSError.
+        if not isinstance(e, (OSError, SafetensorError)):
             raise
         raise AdapterSaveError(
             f"could not save adapter {adapter_name(step)} under {adapters_dir}: {e}. "

@@ -62,6 +62,18 @@ class StepStats:
             out.is_min, out.is_max = min(out.is_min, p.is_min), max(out.is_max, p.is_max)
         return out
 
+    def to_dict(self) -> dict:
+        """JSON-able (ranks exchange stats as JSON, distributed.all_gather_json; ±inf is allowed)."""
+        return {"loss": self.loss, "weight": self.weight, "metrics": self.metrics, "is_sum": self.is_sum,
+                "is_n": self.is_n, "is_min": self.is_min, "is_max": self.is_max}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepStats":
+        out = cls()
+        out.loss, out.weight, out.metrics = float(d["loss"]), float(d["weight"]), {k: float(v) for k, v in d["metrics"].items()}
+        out.is_sum, out.is_n, out.is_min, out.is_max = float(d["is_sum"]), int(d["is_n"]), float(d["is_min"]), float(d["is_max"])
+        return out
+
     def result(self) -> dict:
         w = max(self.weight, 1.0)
         out = {"loss": self.loss, **{k: v / w for k, v in self.metrics.items()}}

@@ -65,7 +65,7 @@ class GRPORun(ServerRecovery, PipelinedSteps):
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.plan = self.server = self.client = self.trainer = self.publisher = self.tracker = None
-        self.task = self.trackers = self.model_path = self._model_dir = None
+        self.task = self.trackers = self.model_path = None
         self.history: History | None = None
         self.restarts = 0
         self.release = False  # resolved cfg.release_memory; may be toggled between steps
@@ -102,7 +102,6 @@ class GRPORun(ServerRecovery, PipelinedSteps):
         # A registered real model's name (models.py) → its offline build; a directory or hub id as is.
         model_path = built_model_dir(cfg.model_path) if cfg.model_path else str(default_model_dir())
         self.model_path = base_model_id(cfg.model_path) if cfg.model_path else model_path
-        self._model_dir = model_path  # what is loaded (the offline build); model_path is what exports name
         self.server, self.trainer = start_while(lambda: self._start_server(engine, model_path),
                                                 lambda: self._make_trainer(model_path))
         self.client = self.server.client()
@@ -189,8 +188,6 @@ class GRPORun(ServerRecovery, PipelinedSteps):
         if not self._published:
             if self.release:  # a server that cannot release fails here, before any rollout
                 await self.client.check_memory_saver(self.cfg.release_tags)
-            # An adopted (or re-used) server still holds the adapters an earlier kernel loaded.
-            await self._with_restarts(self.publisher.clear)
             await self._with_restarts(self._publish, self._initial)
             self._published = True
             # The dashboard's windows run from one step's rollouts to the next (the adapter probe
@@ -284,9 +281,8 @@ class GRPORun(ServerRecovery, PipelinedSteps):
     def export(self, path, merge: bool = False) -> Path:
         """The served adapter as a PEFT adapter folder, or (merge=True) a merged model folder (export.py)."""
         served = self.publisher.current or self._initial  # before the first step: the version to be served
-        if merge:  # named after the hub id, merged into the local build (a hub id may not be reachable)
-            return export_merged(served.path, path, self.model_path, self.trainer.tokenizer, load_from=self._model_dir)
-        return export_adapter(served.path, path, self.model_path, self.trainer.tokenizer)
+        load = {"load_from": self.trainer.cfg.model_path} if merge else {}  # the local build, never the hub id
+        return (export_merged if merge else export_adapter)(served.path, path, self.model_path, self.trainer.tokenizer, **load)
 
     # ---- internals -----------------------------------------------------------------------------
     def _start_server(self, engine: str, model_path: str):

@@ -81,9 +81,11 @@ class StepStats:
     @classmethod
     def from_dict(cls, d: dict) -> "StepStats":
         out = cls()
-        out.loss, out.weight, out.metrics = float(d["loss"]), float(d["weight"]), {k: float(v) for k, v in d["metrics"].items()}
+        out.loss, out.weight = float(d["loss"]), float(d["weight"])
+        out.metrics = {k: float(v) for k, v in d["metrics"].items()}
         out.extremes = {k: float(v) for k, v in d["extremes"].items()}
-        out.is_sum, out.is_n, out.is_min, out.is_max = float(d["is_sum"]), int(d["is_n"]), float(d["is_min"]), float(d["is_max"])
+        out.is_sum, out.is_n = float(d["is_sum"]), int(d["is_n"])
+        out.is_min, out.is_max = float(d["is_min"]), float(d["is_max"])
         return out
 
     def result(self) -> dict:

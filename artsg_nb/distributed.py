@@ -17,8 +17,11 @@ What it does:
   - `RankedTrainer` (GRPORun with `RunConfig.trainer_ranks` = K > 1, through `make_trainer`):
     the kernel is rank 0 and keeps its Trainer; K-1 `follow` processes load the model once and
     live across steps, taking rank 0's commands (train on this step's groups, load a checkpoint,
-    stop) from the rendezvous store as JSON signed with a key that only the ranks' environments
-    hold. A dead rank fails the next step with its log's tail; the run resumes from its last step.
+    stop) from the rendezvous store (listening on 127.0.0.1 only: `loopback_store`) as JSON
+    signed with a key that only the ranks' environments hold; an unsigned or forged command is
+    logged and ignored, never run. The ranks' step statistics travel as JSON in tensors
+    (`all_gather_json`): nothing a peer sends is unpickled. A dead rank fails the next step
+    with its log's tail; the run resumes from its last step.
   - `train_on_groups`: a target that runs one distributed step on pickled groups and has rank 0
     save the adapter (what tests/test_distributed.py compares with one process).
 
@@ -35,6 +38,7 @@ import logging
 import os
 import pickle
 import secrets
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -88,10 +92,23 @@ def ddp_train_step(trainer: Trainer, groups, rank: int, world_size: int) -> dict
     for p in params:
         p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
         offset += p.numel()
-    parts: list = [None] * world_size
-    dist.all_gather_object(parts, stats)
+    parts = [StepStats.from_dict(d) for d in all_gather_json(stats.to_dict(), world_size)]
     return {**StepStats.merged(parts).result(), "grad_norm": trainer.optimizer_step(), **batch_counts(batch),
             "ranks": world_size}
+
+
+def all_gather_json(obj, world_size: int) -> list:
+    """Every rank's JSON-able `obj`, as bytes in uint8 tensors (lengths first, then padded):
+    unlike all_gather_object, nothing a peer sends is unpickled."""
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
+    longest = int(max(sizes).item())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    return [json.loads(bytes(p[:int(n.item())].tolist())) for p, n in zip(parts, sizes)]
 
 
 def _trainable(trainer: Trainer) -> list[torch.nn.Parameter]:
@@ -210,9 +227,8 @@ class RankedTrainer:
             raise DistributedError("this kernel already runs a process group (another run with trainer_ranks > 1?). "
                                    "Try: stop that run first; one multi-rank trainer per kernel")
         self.world_size, self._n, self._key = world_size, 0, secrets.token_bytes(32)
-        port = procs.pick_free_port("127.0.0.1")
-        self._store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
-                                    timeout=timedelta(seconds=start_timeout_s), wait_for_workers=False)
+        self._store, self._listener = loopback_store(world_size, timedelta(seconds=start_timeout_s))
+        port = self._store.port
         self.workers = launch("artsg_nb.distributed:follow", world_size,
                               dict(trainer_config=trainer_config_to_json(cfg), step_timeout_s=step_timeout_s),
                               run_dir, gpus=gpus, first_rank=1, port=port,
@@ -288,6 +304,19 @@ class RankedTrainer:
                                 f"resume=True; last lines:\n{_tail(path)}")
 
 
+def loopback_store(world_size: int, timeout: timedelta) -> tuple[dist.TCPStore, socket.socket]:
+    """A master TCPStore listening on 127.0.0.1 only, and its listening socket (keep it open).
+    TCPStore's own listener binds every interface whatever host it is given; here it gets a
+    socket bound to 127.0.0.1. Other machines cannot reach it; local users can, so commands
+    are signed (RankedTrainer._send) and peers' data is never unpickled (all_gather_json)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
+                          wait_for_workers=False, master_listen_fd=listener.fileno())
+    return store, listener
+
+
 def make_trainer(cfg: TrainerConfig, ranks: int, run_dir: str | Path, plan) -> Trainer | RankedTrainer:
     """GRPORun's trainer: a Trainer in this process, or with `ranks` > 1 a RankedTrainer over
     the plan's trainer GPUs (one rank each; on a CPU plan, CPU processes with gloo)."""
@@ -314,17 +343,7 @@ def follow(rank: int, world_size: int, trainer_config: dict, step_timeout_s: flo
     _init(rank, world_size, store, step_timeout_s)
     broadcast_lora(trainer)
     for n in itertools.count(1):
-        while True:  # idle between notebook cells for as long as the user likes
-            try:
-                store.wait([f"{_CMD}/{n}"], timedelta(seconds=poll_s))
-                break
-            except dist.DistStoreError as e:
-                if "timeout" not in str(e).lower():
-                    raise
-        signature, _, body = store.get(f"{_CMD}/{n}").partition(b" ")
-        if not hmac.compare_digest(signature, hmac.new(key, body, "sha256").hexdigest().encode()):
-            raise DistributedError(f"command {n} is not signed by rank 0: refused")
-        command = json.loads(body)
+        command = _signed_command(store, key, n, poll_s)
         log.info("command %d: %s", n, command["op"])
         if command["op"] == "stop":
             return
@@ -333,6 +352,28 @@ def follow(rank: int, world_size: int, trainer_config: dict, step_timeout_s: flo
         elif command["op"] == "train":
             trainer.step = command["step"]
             ddp_train_step(trainer, _groups_from_json(command["groups"]), rank, world_size)
+
+
+def _signed_command(store: dist.TCPStore, key: bytes, n: int, poll_s: float, retry_s: float = 0.2) -> dict:
+    """Command `n`, once its value carries rank 0's signature. Anyone on this machine can write
+    the store: a value not signed with the ranks' key is logged and ignored (never parsed beyond
+    the signature), and the rank waits for rank 0's, which overwrites it."""
+    name, refused = f"{_CMD}/{n}", None
+    while True:
+        try:  # idle between notebook cells for as long as the user likes
+            store.wait([name], timedelta(seconds=poll_s))
+        except dist.DistStoreError as e:
+            if "timeout" not in str(e).lower():
+                raise
+            continue
+        value = store.get(name)
+        signature, _, body = value.partition(b" ")
+        if hmac.compare_digest(signature, hmac.new(key, body, "sha256").hexdigest().encode()):
+            return json.loads(body)
+        if value != refused:
+            log.warning("command %d is not signed by rank 0: refused (%d bytes ignored)", n, len(value))
+            refused = value
+        time.sleep(retry_s)
 
 
 def _tail(path: Path, n: int = 20) -> str:

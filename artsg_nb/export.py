@@ -54,17 +54,19 @@ def export_adapter(adapter_dir: str | Path, out: str | Path, base_model: str, to
 
 
 def export_merged(adapter_dir: str | Path, out: str | Path, base_model: str, tokenizer,
-                  dtype: str | torch.dtype = "auto") -> Path:
+                  dtype: str | torch.dtype = "auto", load_from: str | Path | None = None) -> Path:
     """Merge the adapter in `adapter_dir` into `base_model` and save the result at `out` as a
     plain model directory with the tokenizer. Loads the base model again on the CPU (its memory
-    for a moment); `dtype` "auto" keeps the base model's saved precision."""
+    for a moment) from `load_from` when given (the local build a run trained on: `base_model`
+    may be a hub id, named in the export but not downloaded), else from `base_model`; `dtype`
+    "auto" keeps the base model's saved precision."""
     from peft import PeftModel  # where used: see trainer.py (Unsloth must patch these first on a GPU)
     from transformers import AutoModelForCausalLM
 
     adapter_dir, out = Path(adapter_dir), Path(out)
     if not (adapter_dir / "adapter_config.json").exists():
         raise ExportError(f"{adapter_dir} is not a saved adapter (no adapter_config.json)")
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(str(load_from or base_model), dtype=dtype)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(str(out), safe_serialization=True)

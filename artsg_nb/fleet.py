@@ -115,15 +115,18 @@ class Fleet:
         return [s for s in self.servers if not s.alive()]
 
     def stopped(self) -> bool:
-        """A worker stopped (SIGSTOP): the fleet answers no request routed to it."""
-        return any(s.stopped() for s in self.servers)
+        """A worker or the router stopped (SIGSTOP): the fleet answers no request through it."""
+        return any(s.stopped() for s in self.servers) or (self.router is not None and self.router.stopped())
 
     def kill(self) -> None:
-        """SIGKILL the stopped workers (every worker when none is, so a fleet that stopped
-        answering is restarted); the restart logic starts them again."""
-        hung = [s for s in self.servers if s.stopped()] or self.servers
+        """SIGKILL the stopped workers and the router if stopped (every worker and the router
+        when none is, so a fleet that stopped answering is restarted); `restart` starts them again."""
+        router_hung = self.router is not None and self.router.stopped()
+        hung = [s for s in self.servers if s.stopped()] or ([] if router_hung else self.servers)
         for server in hung:
             server.kill()
+        if self.router is not None and (router_hung or hung == self.servers):
+            self.router.kill()
 
     def start(self) -> "Fleet":
         try:  # in parallel: each start waits for its own /health (a GPU server: minutes)
@@ -270,7 +273,10 @@ class FleetClient:
         return (await self._all(lambda c: c.check_memory_saver(*args, **kwargs)))[0]
 
     async def health(self, timeout_s: float = 30.0) -> bool:
-        return all(await self._all(lambda c: c.health(timeout_s=timeout_s)))
+        """Every worker and the router (requests go through it) answer /health."""
+        front, *workers = await asyncio.gather(self.front.health(timeout_s=timeout_s),
+                                               *[c.health(timeout_s=timeout_s) for c in self.workers])
+        return front and all(workers)
 
     async def metrics_text(self) -> str:
         """Every worker's counters (monotonic), summed into one /metrics text in the engine's

@@ -30,10 +30,13 @@ HISTORY_FILE = "history.jsonl"
 # become extra columns after these.
 COLUMNS: tuple[str, ...] = (
     "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
-    "is_ratio_mean", "is_ratio_min", "is_ratio_max", "tokens", "completion_tokens",
+    "is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_raw_ratio_mean", "is_raw_ratio_min", "is_raw_ratio_max", "tokens", "completion_tokens",
     "rollout_s", "train_s", "reload_s", "hit_rate", "theoretical_hit_rate", "zero_adv_groups", "failed_rollouts",
     "reward_errors", "truncated", "release_s", "resume_s", "eval_reward", "eval_pass_at_k",
 )
+# is_ratio_*: the importance-sampling weight the loss applied (grpo.policy_loss's names: after
+# is_mode's cap, e.g. ≤ is_clip_max = 3), None without IS correction; is_raw_ratio_*: the raw
+# ratio π_θ / π_server on model tokens (on-policy ≈ 1; a pipelined step's max can be far above the cap).
 # release_s / resume_s: seconds to give the server's GPU memory back before training and take it
 # again after; None (NaN in .df) when the run does not release (RunConfig.release_memory).
 # eval_reward / eval_pass_at_k: the held-out evaluation after this step (evaluate.py); None on
@@ -217,7 +220,9 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: fl
     return {"step": step, "adapter": adapter, "reward_mean": mean, "reward_std": std,
             "loss": metrics.get("loss"), "kl": metrics.get("kl"), "clip_frac": metrics.get("clip_frac"),
             "is_ratio_mean": metrics.get("is_ratio_mean"), "is_ratio_min": metrics.get("is_ratio_min"),
-            "is_ratio_max": metrics.get("is_ratio_max"), "grad_norm": metrics.get("grad_norm"),
+            "is_ratio_max": metrics.get("is_ratio_max"), "is_raw_ratio_mean": metrics.get("is_raw_ratio_mean"),
+            "is_raw_ratio_min": metrics.get("is_raw_ratio_min"), "is_raw_ratio_max": metrics.get("is_raw_ratio_max"),
+            "grad_norm": metrics.get("grad_norm"),
             "tokens": metrics.get("tokens"), "completion_tokens": metrics.get("completion_tokens"),
             "rollout_s": rollout_s, "train_s": train_s, "reload_s": reload_s, "hit_rate": hit_rate,
             "theoretical_hit_rate": theoretical_hit_rate(groups),

@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from .checkpoint import CheckpointError
 from .engines import UnknownAdapterError
 
@@ -86,7 +88,8 @@ def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> Adapter
         _fsync_dir(adapters_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written version behind
-        if not isinstance(e, OSError):
+        # safetensors reports a failed write (disk full) as SafetensorError, not OSError.
+        if not isinstance(e, (OSError, SafetensorError)):
             raise
         raise AdapterSaveError(
             f"could not save adapter {adapter_name(step)} under {adapters_dir}: {e}. "
@@ -173,6 +176,26 @@ class AdapterPublisher:
             old = self.served.pop(0)
             await self._unload(old.name)
         return time.perf_counter() - t0
+
+    async def clear(self) -> list[str]:
+        """Unload every adapter the server holds that this publisher did not load; the names
+        unloaded. A server adopted after a kernel restart (or reused by a re-run cell) still
+        holds what the earlier run loaded (policy-step-K, and K+1 if it died after the load), and
+        a name cannot be loaded twice: the run's first publish of that name would fail. With
+        several servers each worker is cleared (they may hold different sets)."""
+        mine = {v.name for v in self.served}
+        cleared = []
+        for client in getattr(self.client, "workers", None) or [self.client]:  # fleet.FleetClient
+            for name in await client.list_adapters():
+                if name not in mine:
+                    try:
+                        await client.unload_adapter(name)
+                    except UnknownAdapterError:
+                        pass
+                    cleared.append(name)
+        if cleared:
+            log.warning("unloaded adapters an earlier run left on the server: %s", sorted(set(cleared)))
+        return cleared
 
     async def republish(self) -> None:
         """After a server restart: load the newest version again (the server lost it).

@@ -99,6 +99,8 @@ class ServerRecovery:
     async def _publish(self, version) -> None:
         """Load `version`, unless the republish after a restart already did (the server died
         while unloading the version before it): adapter names cannot be loaded twice."""
+        if self.publisher.current is None:  # a run's first: an adopted server holds a dead kernel's adapters
+            await self.publisher.clear()
         if self.publisher.current is None or self.publisher.current.name != version.name:
             await self.publisher.publish(version)
         self._weights_version = version.name  # what the trainer's weights are, served

@@ -28,12 +28,15 @@ import atexit
 import logging
 import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Sequence
+
+import psutil
 
 from . import procs
 
@@ -112,6 +115,23 @@ class Router:
     def alive(self) -> bool:
         """Is the router process running? (Not whether it routes: see /readiness.)"""
         return self.proc is not None and self.proc.poll() is None
+
+    def stopped(self) -> bool:
+        """Is the process stopped (SIGSTOP: alive, routing nothing) or unreadable? (health watchdog)"""
+        try:
+            return self.proc is not None and psutil.Process(self.proc.pid).status() == psutil.STATUS_STOPPED
+        except psutil.Error:
+            return True
+
+    def kill(self) -> None:
+        """SIGKILL the process group (works on a stopped process) and reap it; Fleet.restart starts a new one."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        except (ProcessLookupError, OSError):
+            pass
 
     def start(self) -> "Router":
         """Launch and wait until every worker is healthy behind it; returns self."""

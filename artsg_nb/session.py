@@ -310,7 +310,8 @@ class GRPORun(ServerRecovery, ReleasedTraining, PipelinedSteps):
     def export(self, path, merge: bool = False) -> Path:
         """The served adapter as a PEFT adapter folder, or (merge=True) a merged model folder (export.py)."""
         served = self.publisher.current or self._initial  # before the first step: the version to be served
-        return (export_merged if merge else export_adapter)(served.path, path, self.model_path, self.trainer.tokenizer)
+        load = {"load_from": self.trainer.cfg.model_path} if merge else {}  # the local build, never the hub id
+        return (export_merged if merge else export_adapter)(served.path, path, self.model_path, self.trainer.tokenizer, **load)
 
     # ---- internals -----------------------------------------------------------------------------
     def _start_server(self, engine: str, model_path: str):

@@ -376,8 +376,10 @@ def task_spec(task: "str | Task") -> tuple[str, str | None]:
     run records which task it was, but no other process can load it by that spec."""
     if isinstance(task, str):
         return task, None
+    main = sys.modules.get("__main__")
     for mod_name, mod in list(sys.modules.items()):
-        if mod is None or mod_name == "__main__" or mod_name.startswith("artsg_nb"):
+        # __main__ under any alias (multiprocessing's "__mp_main__") cannot be imported by name
+        if mod is None or mod is main or mod_name in ("__main__", "__mp_main__") or mod_name.startswith("artsg_nb"):
             continue
         for attr, value in list((getattr(mod, "__dict__", None) or {}).items()):
             if value is task and not attr.startswith("_"):

@@ -235,10 +235,15 @@ class Trainer:
             attn[i, :n] = 1
             cmask[i, :n] = torch.tensor(t.completion_mask, dtype=torch.float32)
             slp[i, :n] = torch.tensor([x if x is not None else float("nan") for x in t.logprobs])
-        rewards = torch.tensor([float(t.reward) for t in trajs])
+        # float64: a finite Python reward beyond float32's range (1e39) would become inf in float32.
+        rewards = torch.tensor([float(t.reward) for t in trajs], dtype=torch.float64)
         group_ids = torch.tensor(gids)
         adv = compute_advantages(rewards, group_ids, self.cfg.grpo.scale_rewards)
-        return Batch(ids, attn, cmask[:, 1:], slp[:, 1:], adv, rewards, group_ids)
+        if not torch.isfinite(adv).all():  # a real check, not compute_advantages' assert (python -O drops those)
+            raise ValueError(f"rewards {rewards.min().item():.3g}..{rewards.max().item():.3g} give non-finite "
+                             "advantages; nothing was trained. Try: keep the task's rewards in a moderate range "
+                             "(e.g. 0..1)")
+        return Batch(ids, attn, cmask[:, 1:], slp[:, 1:], adv.float(), rewards, group_ids)
 
     def _ref_logps(self, mb: Batch) -> torch.Tensor:
         """π_ref = the base model: the same network with the adapter disabled."""

@@ -103,7 +103,7 @@ def test_a_run_with_two_trainer_ranks_trains_like_one(tiny_model_dir, tmp_path):
     assert two["reward_mean"] == one["reward_mean"], "the rollouts differ: the comparison would prove nothing"
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-3)
-    assert two["is_ratio_mean"] == pytest.approx(one["is_ratio_mean"], abs=1e-4)
+    assert two["is_raw_ratio_mean"] == pytest.approx(one["is_raw_ratio_mean"], abs=1e-4)
     a = load_file(tmp_path / "r1" / "adapters" / "policy-step-1" / "adapter_model.safetensors")
     b = load_file(tmp_path / "r2" / "adapters" / "policy-step-1" / "adapter_model.safetensors")
     worst = max((a[k] - b[k]).abs().max().item() for k in a)

@@ -37,7 +37,7 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
     assert seen == [{"policy-step-0"}, {"policy-step-1"}, {"policy-step-2"}]
     assert list(df["step"]) == [1, 2, 3]
     assert df["reload_s"].notna().all() and df["hit_rate"].between(0, 1).all()
-    assert (df["is_ratio_mean"] - 1).abs().max() < 1e-3, "on-policy IS ratio should be 1 on the CPU engine"
+    assert (df["is_raw_ratio_mean"] - 1).abs().max() < 1e-3, "on-policy IS ratio should be 1 on the CPU engine"
 
 
 def test_reward_rises_within_four_steps_on_addition(tiny_model_dir, tmp_path):

@@ -158,6 +158,10 @@ class ModelRunner:
         self.config = self.model.config
         self.peft: PeftModel | None = None  # created by the first adapter load
         self.context_len = int(getattr(self.config, "max_position_embeddings", 2048))
+        # No token covers more characters than the longest vocabulary entry (byte-level BPE: one
+        # vocabulary character per byte), so a text longer than context_len × this cannot fit and
+        # is refused before it is tokenised (a 1e6-character prompt left ~125 MB resident).
+        self.max_token_chars = max(len(t) for t in self._encoder.get_vocab())
         self.eos_ids = self._eos_ids()
 
     # ---- tokenizer -----------------------------------------------------------------------

@@ -69,6 +69,8 @@ def _prompts(body: dict, runner: ModelRunner) -> tuple[list[list[int]], bool]:
         texts = text if is_batch else [text]
         if not all(isinstance(t, str) for t in texts):
             raise BadRequest("text must be a string or a list of strings")
+        for t in texts:
+            refuse_long_text(len(t), runner)
         prompts = [runner.encode(t) for t in texts]
     else:
         raise BadRequest("Either text or input_ids should be provided.")
@@ -92,6 +94,14 @@ def check_token_ids(params: RequestSampling, runner: ModelRunner) -> RequestSamp
     if bad:
         raise BadRequest(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     return params
+
+
+def refuse_long_text(n_chars: int, runner: ModelRunner) -> None:
+    """A text of `n_chars` needs at least n_chars / max_token_chars tokens: refuse one that cannot
+    fit the context by its length alone, before tokenising it (time and memory)."""
+    if n_chars > runner.context_len * runner.max_token_chars:
+        raise BadRequest(f"The input ({n_chars} characters, so at least {n_chars // runner.max_token_chars} tokens) "
+                         f"is longer than the model's context length ({runner.context_len} tokens).")
 
 
 def check_length(prompt: list[int], params: RequestSampling, runner: ModelRunner) -> None:
@@ -199,6 +209,7 @@ def chat_requests(body: dict, runner: ModelRunner, resolve: AdapterResolver,
     if body.get("stream"):
         raise BadRequest("stream=true is not supported on /v1/chat/completions by the CPU engine; "
                          "use /generate with stream=true")
+    refuse_long_text(sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict)), runner)
     try:
         prompt = runner.render_chat(messages)
     except Exception as e:

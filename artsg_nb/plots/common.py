@@ -68,3 +68,10 @@ def plot_line(df: pd.DataFrame, name: str, ax: Axes, color: str) -> Axes:
 def no_data(ax: Axes, text: str = "no data") -> Axes:
     ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="gray")
     return ax
+
+
+def ratio_column(df: pd.DataFrame | None, stat: str) -> tuple[np.ndarray, np.ndarray]:
+    """The raw IS ratio's `stat` (mean, min, max): `is_raw_ratio_<stat>`, or in a history written
+    before that column existed, `is_ratio_<stat>` (which then held the raw ratio)."""
+    raw = column(df, f"is_raw_ratio_{stat}")
+    return raw if len(raw[1]) else column(df, f"is_ratio_{stat}")

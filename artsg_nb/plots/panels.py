@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 
-from .common import axes_for, column, has_data, no_data, plot_line
+from .common import axes_for, column, has_data, no_data, plot_line, ratio_column
 
 IS_FLAT_TOLERANCE = 0.02
 """An IS ratio whose whole min–max band stays within 1 ± this is on-policy: its panel is dropped."""
@@ -74,15 +74,19 @@ def plot_kl(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
 def plot_is_ratio(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
     """Importance-sampling ratio trainer/server: mean with a min–max band, 1.0 dotted."""
     ax = axes_for(ax, "IS ratio (trainer / server)", "ratio")
-    step, mean = column(df, "is_ratio_mean")
+    step, mean = ratio_column(df, "mean")
     if not has_data(mean):
         return no_data(ax)
     ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
     ax.plot(step, mean, marker=".", color="tab:green", label="mean")
-    _, low = column(df, "is_ratio_min")
-    _, high = column(df, "is_ratio_max")
+    _, low = ratio_column(df, "min")
+    _, high = ratio_column(df, "max")
     if has_data(low) and has_data(high):
         ax.fill_between(step, low, high, color="tab:green", alpha=0.2, label="min–max")
+    if "is_raw_ratio_max" in df:  # grpo's is_ratio_max: the largest weight applied (after the cap)
+        w_step, applied = column(df, "is_ratio_max")
+        if has_data(applied):
+            ax.plot(w_step, applied, color="tab:red", linestyle="--", linewidth=1, label="max weight applied")
     lo, hi = ax.get_ylim()
     ax.set_ylim(min(lo, 0.95), max(hi, 1.05))
     ax.ticklabel_format(axis="y", useOffset=False)
@@ -199,8 +203,8 @@ def training_panels(df: pd.DataFrame | None) -> list[str]:
     _, kl = column(df, "kl")
     if has_data(kl):
         names.insert(2, "kl")
-    _, low = column(df, "is_ratio_min")
-    _, high = column(df, "is_ratio_max")
+    _, low = ratio_column(df, "min")
+    _, high = ratio_column(df, "max")
     if has_data(low) and has_data(high) and (
             np.nanmax(np.abs(np.concatenate([low, high]) - 1.0)) > IS_FLAT_TOLERANCE):
         names.append("is_ratio")

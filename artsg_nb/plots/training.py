@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from artsg_nb import widgets
 
 from . import panels
-from .common import axes_for, column, figure_png, has_data, new_figure, no_data
+from .common import axes_for, column, figure_png, has_data, new_figure, no_data, ratio_column
 from .samples import load_rollouts, read_history
 
 logger = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def _left_out(df: pd.DataFrame | None, names: list[str]) -> str:
     notes = []
     if "kl" not in names and len(column(df, "kl")[1]):
         notes.append("no KL term (beta = 0)")
-    if "is_ratio" not in names and has_data(column(df, "is_ratio_mean")[1]):
+    if "is_ratio" not in names and has_data(ratio_column(df, "mean")[1]):
         notes.append(f"IS ratio within 1 ± {panels.IS_FLAT_TOLERANCE} (on-policy)")
     if "clip_frac" not in names and has_data(column(df, "clip_frac")[1]):
         notes.append("nothing clipped")

@@ -1,0 +1,70 @@
+"""An adapter save that fails inside safetensors (a real write error, not a simulated OSError).
+
+safetensors raises its own SafetensorError ("Error while serializing: I/O error: ..."), not
+OSError. The write error here is real: the process's file-size limit (RLIMIT_FSIZE, with SIGXFSZ
+ignored) makes the kernel refuse the write, as a full disk does (EFBIG instead of ENOSPC, the same
+path through safetensors). Checked: save_adapter_atomic turns it into AdapterSaveError and leaves
+nothing under the final name; a run's step whose save fails rolls the trainer back to the served
+version, and running the step again gives history [1, 2] (before: the error escaped the rollback,
+history went on [1, 3], and step 3 trained on policy-step-1's rollouts with step 2's update held).
+"""
+from __future__ import annotations
+
+import asyncio
+import resource
+import signal
+from contextlib import contextmanager
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from artsg_nb.lora import AdapterSaveError, save_adapter_atomic
+from artsg_nb.session import GRPORun, RunConfig
+from scripted_task import SCRIPTED
+
+
+@contextmanager
+def file_size_limit(n_bytes: int):
+    """Writes past `n_bytes` fail with EFBIG in this process (a real write error)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def test_safetensors_write_error_is_an_adapter_save_error(tmp_path):
+    def save_fn(tmp):
+        tmp.mkdir()
+        with file_size_limit(4096):
+            save_file({"w": torch.zeros(100_000)}, str(tmp / "adapter_model.safetensors"))
+
+    with pytest.raises(AdapterSaveError, match="could not save adapter policy-step-2") as err:
+        save_adapter_atomic(save_fn, tmp_path / "adapters", 2)
+    assert type(err.value.__cause__).__name__ == "SafetensorError"
+    assert list((tmp_path / "adapters").iterdir()) == []  # no final name, no half-written tmp
+
+
+def test_step_whose_save_fails_in_safetensors_is_rolled_back(tmp_path, tiny_model_dir):
+    cfg = RunConfig(task=SCRIPTED, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
+                    group_size=2, groups_per_step=2, lora_rank=4, lora_alpha=8, seed=5, verbose=False)
+    with GRPORun(cfg) as run:
+        asyncio.run(run.step())
+        save = run.trainer.save_adapter
+
+        def save_on_full_disk(path):
+            with file_size_limit(4096):
+                save(path)
+
+        run.trainer.save_adapter = save_on_full_disk
+        with pytest.raises(AdapterSaveError):
+            asyncio.run(run.step())
+        run.trainer.save_adapter = save
+        assert run.trainer.step == 1 and run.adapter == "policy-step-1"  # rolled back to the served version
+        row = asyncio.run(run.step())
+        assert row["step"] == 2 and row["adapter"] == "policy-step-2"
+        assert [int(s) for s in run.history.df["step"]] == [1, 2]

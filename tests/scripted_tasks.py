@@ -1,6 +1,8 @@
 """Tasks whose reward signal the test controls, for tests that need every GRPO step to update.
 
-What it does: `ADDITION_WITH_SIGNAL` is the addition task (same prompts, same max_new_tokens)
+What it does: `SCRIPTED` is a one-turn task whose reward alternates 1, 0, 1, 0, ... over the envs
+of a process, whatever the reply (importable as "scripted_tasks:SCRIPTED" by a subprocess with
+tests/ on sys.path). `ADDITION_WITH_SIGNAL` is the addition task (same prompts, same max_new_tokens)
 scored per group by position instead of by the answer: member i of a group earns i % 2. Every
 group of two or more finished members then has a nonzero spread, so no step is skipped for lack
 of signal (`update_skipped`) and each one publishes policy-step-N, whatever the model samples.
@@ -12,9 +14,28 @@ real task (and the committed tiny model, so its numbers are the same on every ma
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
-from artsg_nb.tasks import get_task
+from artsg_nb.episode import StepResult
+from artsg_nb.tasks import Task, get_task
+
+_COUNTER = itertools.count()
+
+
+class ScriptedEnv:
+    def __init__(self, seed: int):
+        self.reward = float(next(_COUNTER) % 2)
+
+    def reset(self):
+        return [{"role": "user", "content": "Say one word."}]
+
+    def step(self, reply: str) -> StepResult:
+        return StepResult(messages=[], reward=self.reward, done=True)
+
+
+SCRIPTED = Task("scripted", "a reward that alternates 1, 0 whatever the reply", max_turns=1, max_new_tokens=4,
+                factory=ScriptedEnv)
 
 
 def alternating_reward(envs, trajectories) -> list[float]:

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from artsg_nb.lora import AdapterSaveError, save_adapter_atomic
 from artsg_nb.session import GRPORun, RunConfig
-from scripted_task import SCRIPTED
+from scripted_tasks import SCRIPTED
 
 
 @contextmanager

@@ -15,7 +15,7 @@ import transformers
 
 from artsg_nb import session
 from artsg_nb.session import GRPORun, RunConfig
-from scripted_task import SCRIPTED
+from scripted_tasks import SCRIPTED
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -31,7 +31,7 @@ import asyncio, json, sys, time
 from artsg_nb.history import History
 from artsg_nb.session import GRPORun, RunConfig
 model_dir, run_dir, mode, resume = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
-cfg = RunConfig(task="scripted_task:SCRIPTED", engine="cpu", model_path=model_dir, run_dir=run_dir, group_size=2,
+cfg = RunConfig(task="scripted_tasks:SCRIPTED", engine="cpu", model_path=model_dir, run_dir=run_dir, group_size=2,
                 groups_per_step=2, lora_rank=4, lora_alpha=8, seed=3, resume=resume, verbose=False)
 if mode == "after_load":  # die in step 2 once policy-step-2 is served, before its row is written
     append = History.append

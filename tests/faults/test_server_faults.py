@@ -105,7 +105,7 @@ def assert_same_step(run_dir: Path, reference, n: int) -> None:
     for key in ("reward_mean", "reward_std", "tokens", "completion_tokens", "failed_rollouts"):
         assert row[key] == ref[key], f"step {n}: {key} {row[key]} != {ref[key]} (uninterrupted run)"
     assert row["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL, abs=1e-8), f"step {n}: loss"
-    assert row["is_ratio_mean"] == pytest.approx(ref["is_ratio_mean"], abs=IS_RATIO_ATOL), f"step {n}: server logprobs"
+    assert row["is_raw_ratio_mean"] == pytest.approx(ref["is_raw_ratio_mean"], abs=IS_RATIO_ATOL), f"step {n}: server logprobs"
     mine, theirs = adapter_weights(run_dir, n), adapter_weights(reference.run_dir, n)
     assert mine.keys() == theirs.keys()
     for key in mine:

@@ -15,8 +15,8 @@ watchdog alone never fires. Checked:
     (before: the first unload hung until the 600 s request timeout);
   - a run whose unload hangs once is restarted within admin_timeout_s, the step redone, nothing
     lost (history 1, 2, 3; the newest adapter served).
-Rewards come from a scripted reward (each member of a group gets its position), so every step
-has a signal, whatever the tiny model samples.
+Rewards come from a scripted reward (scripted_tasks.ADDITION_WITH_SIGNAL), so every step has a
+signal, whatever the tiny model samples.
 """
 from __future__ import annotations
 
@@ -31,19 +31,11 @@ from artsg_nb.engines.errors import AdminTimeoutError
 from artsg_nb.lora import AdapterVersion, save_adapter_atomic
 from artsg_nb.server import ServerConfig, start_server
 from artsg_nb.session import GRPORun, RunConfig
-from artsg_nb.tasks import Task
+from scripted_tasks import ADDITION_WITH_SIGNAL
 
 pytestmark = pytest.mark.faults
 
-
-def by_position(prompts, completions, **_):
-    """A signal in every group whatever is sampled: member i is rewarded i."""
-    return [float(i) for i in range(len(completions))]
-
-
-TASK = Task.from_dataset([{"prompt": f"Count to {i}."} for i in range(16)], reward_funcs=[by_position],
-                         max_new_tokens=4, name="scripted-signal")
-CFG = RunConfig(task=TASK, engine="cpu", group_size=3, groups_per_step=2, lora_rank=8, lora_alpha=16, seed=3,
+CFG = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", group_size=3, groups_per_step=2, lora_rank=8, lora_alpha=16, seed=3,
                 max_new_tokens=4, verbose=False)
 
 

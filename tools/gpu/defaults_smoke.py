@@ -130,6 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/runs/smoke")
     p.add_argument("--out", required=True, help="JSON record (benchmarks/results/<date>-h200-smoke.json)")
     p.add_argument("--parts", nargs="*", default=["quickstart", "schedules", "tests"])
+    p.add_argument("--limit-s", nargs="*", default=[], metavar="PART=SECONDS", help="override a part's time limit")
     a = p.parse_args(argv)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -137,6 +138,7 @@ def main(argv=None) -> int:
               "commit": _commit(), "settings": "RunConfig defaults", "server_args": os.environ.get("ARTSG_SGLANG_ARGS")}
     # The parts' limits add up to less than validate.sh's bound on the smoke (a device call is 600 s).
     limits = {"quickstart": 150, "schedules": 110, "tests": 260}
+    limits |= {k: float(v) for k, v in (item.split("=") for item in a.limit_s)}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("smoke: terminated"))  # so `finally` stops the servers
     for name in a.parts:
         t0 = time.monotonic()

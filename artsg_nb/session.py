@@ -316,12 +316,11 @@ class GRPORun(ServerRecovery, ReleasedTraining, PipelinedSteps):
     # ---- internals -----------------------------------------------------------------------------
     def _start_server(self, engine: str, model_path: str):
         cfg = self.cfg
-        mem = getattr(self.plan, "server_mem_fraction", None)
+        mem, backup = getattr(self.plan, "server_mem_fraction", None), "weights" in cfg.release_tags
         scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
-                            api_key=cfg.api_key, extra_args=cfg.server_args, enable_memory_saver=self.release,
-                            admin_timeout_s=cfg.admin_timeout_s,
-                            enable_weights_cpu_backup=self.release and "weights" in cfg.release_tags)
+                            api_key=cfg.api_key, extra_args=cfg.server_args, admin_timeout_s=cfg.admin_timeout_s,
+                            enable_memory_saver=self.release, enable_weights_cpu_backup=self.release and backup)
         if self.plan.num_servers > 1:  # N engines behind sglang-router, looking like one server
             return Fleet(fleet_configs(scfg, self.plan), self.run_dir).start()
         return start_server(scfg)

@@ -101,6 +101,7 @@ class SGLangClient(EngineClient):
     """Set from the engine's spec by engines.make_client."""
     _n_problem: object = _UNKNOWN
     _n_lock: asyncio.Lock | None = None
+    _routed = False
     info_source: "SGLangClient | None" = None
     """The client whose /server_info describes the engine behind this URL (a router in front of
     workers: its own /server_info names no engine version); None: this one."""
@@ -126,10 +127,12 @@ class SGLangClient(EngineClient):
         except EngineError as e:  # unknown version: affected, as lora_n_problem assumes
             log.debug("%s /server_info failed (%s): assuming the n > 1 LoRA bug", self.engine, e)
             info = {}
+        # A router's own /server_info counts workers and names no engine version (unknown: affected).
+        self._routed = self.info_source is not None or "workers_count" in info
         problem = self.lora_n_problem(info)
         if problem:
-            log.info("%s: %s; n > 1 under an adapter is sent as a warm-up plus one batch of n samples",
-                     self.engine, problem)
+            log.info("%s: %s; n > 1 under an adapter is sent as a warm-up plus %s", self.engine, problem,
+                     "n single requests (a router)" if self._routed else "one batch of n samples")
         return problem
 
     async def _generate(self, input_ids, params, adapter) -> list[Generation]:
@@ -147,7 +150,7 @@ class SGLangClient(EngineClient):
         await self._request("POST", "/generate", "use", json={**warm_up, "return_logprob": False})
         seeds = [None if params.seed is None else params.seed + j for j in range(params.n)]
         singles = [self._generate_payload(input_ids, replace(params, n=1, seed=seed), adapter) for seed in seeds]
-        if self.info_source is not None:  # a router: sglang-router 0.3 takes no per-sample sampling_params list
+        if self._routed:  # sglang-router 0.3 takes no per-sample sampling_params list
             bodies = await asyncio.gather(*(self._request("POST", "/generate", "use", json=p) for p in singles))
             return [self._parse_sample(b.json()) for b in bodies]
         payload = {"input_ids": [list(input_ids)] * params.n, "sampling_params": [p["sampling_params"] for p in singles],

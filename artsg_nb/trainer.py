@@ -64,7 +64,8 @@ class TrainerConfig:
     device: str = "auto"
     """"cuda", "cpu" or "auto" (CUDA when available)."""
     use_unsloth: str | bool = "auto"
-    """Unsloth's FastLanguageModel: "auto" uses it when CUDA is present and it imports."""
+    """Unsloth's FastLanguageModel: "auto" uses it when CUDA is present, it imports, and the model's
+    attention heads are at least UNSLOTH_MIN_HEAD_DIM wide (`unsloth_fits`)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory on long sequences."""
     seed: int = 0
@@ -318,13 +319,32 @@ def _pick_device(device: str) -> torch.device:
 
 def _load_model(cfg: TrainerConfig, device: torch.device):
     want = cfg.use_unsloth
-    if want is True or (want == "auto" and device.type == "cuda" and _unsloth_importable()):
+    if want is True or (want == "auto" and device.type == "cuda" and _unsloth_importable()
+                        and unsloth_fits(cfg.model_path)):
         return (*_load_unsloth(cfg), "unsloth")
     return (*_load_peft(cfg, device), "transformers+peft")
 
 
 def _unsloth_importable() -> bool:
     return importlib.util.find_spec("unsloth") is not None
+
+
+UNSLOTH_MIN_HEAD_DIM = 64
+"""Narrowest attention head Unsloth was seen to train correctly here. Seen on one H200 (Unsloth
+2026.10.9, 2026-12-04): head_dim 64 (SmolLM2-135M, the Qwen2.5-0.5B shape) serves what it trains;
+the offline tiny model's 16 gave logprobs 5.5 nats from the server's under the adapter it had just
+saved (the served-adapter check failed at step 1), where transformers + PEFT agree within the
+check's tolerance (mean difference <= 0.012, benchmarks/results/20261203-h200-gpu-tests.md)."""
+
+
+def unsloth_fits(model_path: str) -> bool:
+    """Whether "auto" should take Unsloth for the model at `model_path` (its config's head size)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return True  # a hub id or an unreadable config: Unsloth decides
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(cfg.get("num_attention_heads", 1), 1)
+    return head_dim >= UNSLOTH_MIN_HEAD_DIM
 
 
 def _lora_config(cfg: TrainerConfig):

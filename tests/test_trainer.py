@@ -130,3 +130,16 @@ def test_save_adapter_writes_what_save_pretrained_writes(make_trainer, tmp_path)
     assert (json.loads((tmp_path / "fast/adapter_config.json").read_text())
             == json.loads((tmp_path / "peft/adapter_config.json").read_text()))
     assert tr.model.peft_config["default"].inference_mode is False  # training mode restored
+
+
+def test_auto_keeps_unsloth_off_the_narrow_heads_it_was_seen_to_get_wrong(tmp_path, tiny_model_dir):
+    """On the H200 Unsloth trained the tiny model (head_dim 16) into an adapter the server scored
+    5.5 nats away from it; the models it serves correctly have head_dim 64."""
+    import json
+
+    from artsg_nb.trainer import unsloth_fits
+
+    assert not unsloth_fits(str(tiny_model_dir))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))
+    assert unsloth_fits(str(tmp_path))  # SmolLM2-135M's shape
+    assert unsloth_fits("HuggingFaceTB/SmolLM2-135M-Instruct")  # no local config: Unsloth decides

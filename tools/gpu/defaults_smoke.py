@@ -1,7 +1,7 @@
 """The one-call GPU smoke on DEFAULT settings (`bash tools/gpu/validate.sh smoke`).
 
 Runs on the GPU host after tools/gpu/install.sh, with the SGLang bundle and the kernel wheels, on
-the CI tiny model built on the host. Three parts, each with its own time limit, one PASS/FAIL line
+the CI tiny model (validate.sh passes the shipped one: the weights CI tests). Three parts, each with its own time limit, one PASS/FAIL line
 each, and a JSON record of everything (`--out`):
 
   quickstart  notebooks/01_quickstart.ipynb unchanged, through papermill (MORE_STEPS=8: 10 steps),
@@ -137,7 +137,9 @@ def main(argv=None) -> int:
     record = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "gpu": _gpu_name(),
               "commit": _commit(), "settings": "RunConfig defaults", "server_args": os.environ.get("ARTSG_SGLANG_ARGS")}
     # The parts' limits add up to less than validate.sh's bound on the smoke (a device call is 600 s).
-    limits = {"quickstart": 150, "schedules": 110, "tests": 260}
+    # Measured on a fresh H200 host (2026-12-04): quickstart 130 s with a cold SGLang start (kernels
+    # JIT-compiled), schedules 132 s, the GPU-marked tests ~220 s (three SGLang starts, a 0.5b build).
+    limits = {"quickstart": 200, "schedules": 140, "tests": 240}
     limits |= {k: float(v) for k, v in (item.split("=") for item in a.limit_s)}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("smoke: terminated"))  # so `finally` stops the servers
     for name in a.parts:

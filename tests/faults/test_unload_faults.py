@@ -23,14 +23,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from artsg_nb.engines import SamplingParams
 from artsg_nb.engines.errors import AdminTimeoutError
-from artsg_nb.lora import AdapterVersion, save_adapter_atomic
 from artsg_nb.server import ServerConfig, start_server
 from artsg_nb.session import GRPORun, RunConfig
+from lora_files import make_adapter
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 pytestmark = pytest.mark.faults
@@ -59,11 +60,9 @@ def counter_server(tmp_path, tiny_model_dir):
     server.stop()
 
 
-def _adapter(tmp_path, tiny_model_dir) -> AdapterVersion:
-    from artsg_nb.trainer import Trainer, TrainerConfig
-
-    trainer = Trainer(TrainerConfig(model_path=str(tiny_model_dir), lora_rank=8, lora_alpha=16))
-    return save_adapter_atomic(trainer.save_adapter, tmp_path / "adapters", 1)
+def _adapter(tmp_path, tiny_model_dir) -> SimpleNamespace:
+    """An adapter with non-zero B on disk, under a run-like name (tests/lora_files.py builds it)."""
+    return SimpleNamespace(name="policy-step-1", path=make_adapter(tiny_model_dir, tmp_path / "policy-step-1"))
 
 
 def test_native_n_under_an_adapter_wedges_the_unload(counter_server, tmp_path, tiny_model_dir):

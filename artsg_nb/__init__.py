@@ -8,16 +8,16 @@ from importlib import import_module as _import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "RunConfig": "run_config", "GRPORun": "session",
-    "GRPOConfig": "grpo",
-    "ServerConfig": "server", "start_server": "server",
-    "list_gpus": "gpus", "plan_gpus": "gpus",
-    "Dashboard": "widgets",
-    "LivePlot": "plots", "plot_training": "plots", "plot_engine_comparison": "plots",
-    "compare_runs": "plots", "sample_table": "plots",
-    "get_task": "tasks", "list_tasks": "tasks", "register_task": "tasks", "resolve_task": "tasks",
-    "Task": "tasks", "Env": "tasks", "StepResult": "tasks",
-    "default_model_dir": "tiny_model",
+    "RunConfig": "run.config", "GRPORun": "run.session",
+    "GRPOConfig": "rl.grpo",
+    "ServerConfig": "serving.server", "start_server": "serving.server",
+    "list_gpus": "serving.gpus", "plan_gpus": "serving.gpus",
+    "Dashboard": "view.widgets",
+    "LivePlot": "view.plots", "plot_training": "view.plots", "plot_engine_comparison": "view.plots",
+    "compare_runs": "view.plots", "sample_table": "view.plots",
+    "get_task": "tasks.registry", "list_tasks": "tasks.registry", "register_task": "tasks.registry",
+    "resolve_task": "tasks.registry", "Task": "tasks.registry", "Env": "tasks.registry", "StepResult": "tasks.registry",
+    "default_model_dir": "models.tiny",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -26,19 +26,19 @@ from typing import Annotated
 import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
-from .dataset_tasks import DatasetColumnError
-from .distributed import DistributedError
+from .tasks.dataset import DatasetColumnError
+from .rl.distributed import DistributedError
 from .engines import AdapterRankError, MemorySaverError
-from .gpus import CudaAlreadyInitializedError, NoGpuError
-from .lora import AdapterSaveError
-from .plots import save_training_plot
-from .rollout import NoRewardError
-from .run_config import ConfigMismatchError, glue_flag_values, split_flags
-from .server import ServerError
-from .server_env import ServerEnvNotFoundError
-from .session import GRPORun, RunConfig, ServerLostError
-from .tasks import Task, UnknownTaskError, list_tasks, resolve_task
-from .trainer import CheckpointError
+from .serving.gpus import CudaAlreadyInitializedError, NoGpuError
+from .rl.lora import AdapterSaveError
+from .view.plots import save_training_plot
+from .rollout.groups import NoRewardError
+from .run.config import ConfigMismatchError, glue_flag_values, split_flags
+from .serving.server import ServerError
+from .serving.server_env import ServerEnvNotFoundError
+from .run.session import GRPORun, RunConfig, ServerLostError
+from .tasks.registry import Task, UnknownTaskError, list_tasks, resolve_task
+from .rl.trainer import CheckpointError
 
 
 @dataclass

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import httpx
 
-from artsg_nb.metrics import cache_counters, hit_rate
-from artsg_nb.server import ServerConfig, start_server
-from artsg_nb.tiny_model import default_model_dir
+from artsg_nb.serving.metrics import cache_counters, hit_rate
+from artsg_nb.serving.server import ServerConfig, start_server
+from artsg_nb.models.tiny import default_model_dir
 
 
 def make_prompt(group: int, length: int, vocab: int) -> list[int]:

@@ -28,9 +28,9 @@ import torch
 
 from artsg_nb.bench.run import hardware_name
 from artsg_nb.engines import SamplingParams
-from artsg_nb.lora import AdapterPublisher, file_sha256, save_adapter_atomic
-from artsg_nb.server import ServerConfig, start_server
-from artsg_nb.trainer import Trainer, TrainerConfig
+from artsg_nb.rl.lora import AdapterPublisher, file_sha256, save_adapter_atomic
+from artsg_nb.serving.server import ServerConfig, start_server
+from artsg_nb.rl.trainer import Trainer, TrainerConfig
 
 
 class Timed:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.run.session import GRPORun, RunConfig
 
 
 def run_n(n: int, a, root: Path) -> list[dict]:

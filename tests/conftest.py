@@ -1,7 +1,7 @@
 """Shared pytest fixtures and hooks.
 
 What it does: the tiny model the tests run against (the build shipped in the repository,
-artsg_nb/shipped/tiny-s0-p800, so every machine tests the same weights; ARTSG_TINY_MODEL points
+artsg_nb/models/shipped/tiny-s0-p800, so every machine tests the same weights; ARTSG_TINY_MODEL points
 at another, e.g. one built with another seed to check that tests do not lean on its samples),
 skipping of tests marked `gpu` where no NVIDIA GPU is visible (markers are declared in
 pyproject.toml), and the faults suite's hooks (below, owned by that suite).
@@ -23,7 +23,7 @@ def tiny_model_dir() -> Path:
     """The shipped tiny model (tiny_model.default_model_dir(); ARTSG_TINY_MODEL points at another)."""
     if os.environ.get("ARTSG_TINY_MODEL"):
         return Path(os.environ["ARTSG_TINY_MODEL"])
-    from artsg_nb.tiny_model import default_model_dir
+    from artsg_nb.models.tiny import default_model_dir
 
     return default_model_dir()
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from artsg_nb.episode import StepResult
-from artsg_nb.tasks import Task, get_task
+from artsg_nb.tasks.episode import StepResult
+from artsg_nb.tasks.registry import Task, get_task
 
 _COUNTER = itertools.count()
 

@@ -13,12 +13,12 @@ from openai.types.chat.chat_completion import Choice  # noqa: E402
 
 from artsg_nb.art import ArtVersionError, SGLangBackend, UnsupportedTrajectory  # noqa: E402
 from artsg_nb.art.convert import to_groups, to_trajectory  # noqa: E402
-from artsg_nb.run_config import RunConfig  # noqa: E402
-from artsg_nb.tasks import get_task  # noqa: E402
+from artsg_nb.run.config import RunConfig  # noqa: E402
+from artsg_nb.tasks.registry import get_task  # noqa: E402
 
 
 def test_import_artsg_nb_does_not_import_art():
-    code = "import sys, artsg_nb, artsg_nb.session; print('art' in sys.modules)"
+    code = "import sys, artsg_nb, artsg_nb.run.session; print('art' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"

@@ -282,7 +282,7 @@ def test_eight_h200_dashboard_lines_up_in_chromium():
     sys.path.insert(0, str(ROOT / "tests"))
     from test_widgets import eight_h200_dashboard
 
-    from artsg_nb import widgets
+    from artsg_nb.view import widgets
 
     made = []
     dashboard = eight_h200_dashboard(lambda *a, **kw: made.append(widgets.Dashboard(*a, **kw)) or made[-1])

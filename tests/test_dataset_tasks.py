@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import pytest
 from trl.rewards import get_soft_overlong_punishment, think_format_reward
 
-from artsg_nb.dataset_tasks import DatasetColumnError
+from artsg_nb.tasks.dataset import DatasetColumnError
 from artsg_nb.engines import Generation
-from artsg_nb.rollout import NoRewardError, collect_groups, require_rewards, rollout_stats
-from artsg_nb.tasks import StepResult, Task, get_task
+from artsg_nb.rollout.groups import NoRewardError, collect_groups, require_rewards, rollout_stats
+from artsg_nb.tasks.registry import StepResult, Task, get_task
 
 
 @dataclass

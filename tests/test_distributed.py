@@ -1,4 +1,4 @@
-"""The data-parallel GRPO update (artsg_nb/distributed.py) equals the single-process one.
+"""The data-parallel GRPO update (artsg_nb/rl/distributed.py) equals the single-process one.
 
 Two gloo ranks, launched as worker processes the way a notebook would (own process groups,
 torchrun-style environment), each take half of the same batch; rank 0 saves the adapter. Its
@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from artsg_nb.distributed import launch, shard
-from artsg_nb.grpo import GRPOConfig
-from artsg_nb.trainer import Trainer, TrainerConfig
+from artsg_nb.rl.distributed import launch, shard
+from artsg_nb.rl.grpo import GRPOConfig
+from artsg_nb.rl.trainer import Trainer, TrainerConfig
 
 
 def _groups(vocab=50):
@@ -49,7 +49,7 @@ def test_two_gloo_ranks_update_the_lora_like_one_process(tiny_model_dir, tmp_pat
     (tmp_path / "groups.pkl").write_bytes(pickle.dumps(groups))
     cfg = dict(model_path=str(tiny_model_dir), learning_rate=1e-2, seed=0, device="cpu", use_unsloth=False,
                micro_batch_tokens=40, grpo={"loss_type": loss_type})  # micro-batches within each rank too
-    workers = launch("artsg_nb.distributed:train_on_groups", 2,
+    workers = launch("artsg_nb.rl.distributed:train_on_groups", 2,
                      dict(trainer_config=cfg, groups_path=str(tmp_path / "groups.pkl"), out_dir=str(tmp_path / "ddp")),
                      tmp_path / "logs")
     workers.wait(timeout_s=300)
@@ -71,7 +71,7 @@ def test_two_gloo_ranks_update_the_lora_like_one_process(tiny_model_dir, tmp_pat
 
 # ---- RunConfig(trainer_ranks=2): the kernel is rank 0, one worker process is rank 1 --------------
 def _run_config(tiny_model_dir, run_dir, **kw):
-    from artsg_nb.session import RunConfig
+    from artsg_nb.run.session import RunConfig
     from scripted_tasks import ADDITION_WITH_SIGNAL  # every step trains: its loss and adapter are compared
     return RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(run_dir),
                      group_size=4, groups_per_step=4, verbose=False, **kw)
@@ -83,8 +83,8 @@ def test_a_run_with_two_trainer_ranks_trains_like_one(tiny_model_dir, tmp_path):
     the rank process lives across steps and is gone after stop()."""
     import asyncio
 
-    from artsg_nb.distributed import RankedTrainer
-    from artsg_nb.session import GRPORun
+    from artsg_nb.rl.distributed import RankedTrainer
+    from artsg_nb.run.session import GRPORun
 
     rows = {}
     for ranks in (1, 2):
@@ -116,8 +116,8 @@ def test_a_dead_trainer_rank_fails_the_step_with_its_log_and_a_resume_continues(
     import os
     import signal
 
-    from artsg_nb.distributed import DistributedError
-    from artsg_nb.session import GRPORun
+    from artsg_nb.rl.distributed import DistributedError
+    from artsg_nb.run.session import GRPORun
 
     run = GRPORun(_run_config(tiny_model_dir, tmp_path / "run", trainer_ranks=2)).start()
     try:

@@ -9,9 +9,9 @@ import pytest
 
 matplotlib.use("Agg")
 
-from artsg_nb import plots  # noqa: E402
-from artsg_nb.evaluate import EVAL_SEED_BASE, eval_task_and_seeds  # noqa: E402
-from artsg_nb.session import GRPORun, RunConfig  # noqa: E402
+from artsg_nb.view import plots  # noqa: E402
+from artsg_nb.rollout.evaluate import EVAL_SEED_BASE, eval_task_and_seeds  # noqa: E402
+from artsg_nb.run.session import GRPORun, RunConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")

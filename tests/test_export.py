@@ -10,9 +10,9 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from artsg_nb.retention import steps_to_delete
-from artsg_nb.server import check_model_path
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.run.retention import steps_to_delete
+from artsg_nb.serving.server import check_model_path
+from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 

@@ -12,8 +12,8 @@ import signal
 
 import pytest
 
-from artsg_nb.fleet import Fleet, FleetClient
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.serving.fleet import Fleet, FleetClient
+from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 pytest.importorskip("sglang_router", reason="needs the sglang-router package (environment-train.yml)")

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.run.session import GRPORun, RunConfig
 
 pytest.importorskip("sglang_router", reason="needs the sglang-router package (environment-train.yml)")
 pytestmark = pytest.mark.slow

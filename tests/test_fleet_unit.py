@@ -6,9 +6,9 @@ import asyncio
 import pytest
 
 from artsg_nb.engines import AdapterExistsError, UnknownAdapterError
-from artsg_nb.fleet import Fleet, FleetClient, _Counters, fleet_configs
-from artsg_nb.gpus import GpuInfo, plan_gpus
-from artsg_nb.server import ServerConfig, ServerStartError
+from artsg_nb.serving.fleet import Fleet, FleetClient, _Counters, fleet_configs
+from artsg_nb.serving.gpus import GpuInfo, plan_gpus
+from artsg_nb.serving.server import ServerConfig, ServerStartError
 
 
 class FakeWorker:

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from artsg_nb import gpus
-from artsg_nb.gpus import (CudaAlreadyInitializedError, GpuInfo, NoGpuError, apply_to_kernel,
+from artsg_nb.serving import gpus
+from artsg_nb.serving.gpus import (CudaAlreadyInitializedError, GpuInfo, NoGpuError, apply_to_kernel,
                            plan_gpus, require_gpu)
 
 

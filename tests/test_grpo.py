@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from artsg_nb.grpo import (
+from artsg_nb.rl.grpo import (
     GRPOConfig,
     compute_advantages,
     importance_sampling_ratio,

@@ -1,4 +1,4 @@
-"""artsg_nb.grpo against TRL 1.15.0's own code, on the same tensors.
+"""artsg_nb.rl.grpo against TRL 1.15.0's own code, on the same tensors.
 
 - Loss and d(loss)/d(logps): TRL's `GRPOTrainer._compute_loss` on a bare instance
   (`object.__new__(GRPOTrainer)` with the attributes it reads; our logps injected through
@@ -22,7 +22,7 @@ import trl
 
 from trl import GRPOTrainer
 
-from artsg_nb.grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
+from artsg_nb.rl.grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
 
 assert trl.__version__.startswith(("1.15.", "1.16.")), f"oracle read against TRL 1.15/1.16, not {trl.__version__}"
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from artsg_nb.history import COLUMNS, HISTORY_FILE, History
+from artsg_nb.run.history import COLUMNS, HISTORY_FILE, History
 
 
 def row(step, **extra):

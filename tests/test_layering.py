@@ -1,19 +1,14 @@
 """The package's structure as a checked contract: import-linter's contracts in pyproject.toml
 (layers only import downward, no import circles at any depth, the CPU engine imports nothing of
-the training side), and no module grown past what one reader takes in at once."""
+the training side), and every module opening with what it holds, none grown plainly into several."""
 import subprocess
 import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "artsg_nb"
-MAX_LINES = 420
-LONG_ON_PURPOSE: dict[str, str] = {
-    "tiny_model.py": "one recipe, top to bottom: tokenizer, config, scripted corpus, pretraining, save",
-    "rollout.py": "one algorithm: play a group's episodes turn by turn under a submission schedule",
-    "server.py": "one process lifecycle: config, command line, start, readiness, stop, records",
-    "engines/base.py": "the engine-neutral client: its interface, and the HTTP under it with each call's timeout",
-}
-"""Modules allowed past MAX_LINES, with the reason they read as one thing."""
+SANITY_LINES = 800
+"""Not a cap to design to: the rule is that a file reads as one thing (its opening docstring says
+which), whatever its length. This bound only catches a file that has plainly become several."""
 
 
 def test_import_contracts_are_kept():
@@ -23,10 +18,14 @@ def test_import_contracts_are_kept():
     assert "0 broken" in out.stdout
 
 
-def test_no_module_is_longer_than_one_reading():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES and str(p.relative_to(PACKAGE)) not in LONG_ON_PURPOSE}
-    assert not long, f"modules over {MAX_LINES} lines (split them, or say in LONG_ON_PURPOSE why they read as one): {long}"
+def test_no_module_is_plainly_several():
+    """Every module opens with a docstring that says what it holds, and none is past the sanity bound."""
+    bad = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > SANITY_LINES}
+    assert not bad, f"modules over {SANITY_LINES} lines: they hold several things, split them: {bad}"
+    undocumented = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                    if p.stat().st_size and not p.read_text().lstrip().startswith(('"""', 'r"""'))]
+    assert not undocumented, f"modules that do not say what they hold (open them with a docstring): {undocumented}"
 
 
 def test_a_run_imports_transformers_peft_and_trl_only_when_it_needs_them():
@@ -34,8 +33,8 @@ def test_a_run_imports_transformers_peft_and_trl_only_when_it_needs_them():
     (otherwise it warns that training "may run slower or encounter memory issues"), and it can
     only be imported after the GPU plan (it initialises CUDA). So importing the session, which a
     notebook does first, must import none of the three: the trainer imports Unsloth first."""
-    code = ("import sys, artsg_nb, artsg_nb.session, artsg_nb.run_config; "
+    code = ("import sys, artsg_nb, artsg_nb.run.session, artsg_nb.run.config; "
             "print(sorted(m for m in ('transformers', 'peft', 'trl') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", f"importing artsg_nb.session imported {out.stdout.strip()}"
+    assert out.stdout.strip() == "[]", f"importing artsg_nb.run.session imported {out.stdout.strip()}"

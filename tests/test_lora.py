@@ -4,7 +4,7 @@ import errno
 
 import pytest
 
-from artsg_nb.lora import (AdapterMismatchError, AdapterPublisher, AdapterSaveError, check_inside,
+from artsg_nb.rl.lora import (AdapterMismatchError, AdapterPublisher, AdapterSaveError, check_inside,
                            load_version, save_adapter_atomic)
 
 

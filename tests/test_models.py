@@ -1,4 +1,4 @@
-"""The real model built by artsg_nb.models: it loads from its directory alone, answers a chat
+"""The real model built by artsg_nb.models.pretrained: it loads from its directory alone, answers a chat
 turn and stops on `<|im_end|>`, takes a LoRA that trains, and the CPU engine serves it with and
 without an adapter.
 
@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from artsg_nb import models
+from artsg_nb.models import pretrained as models
 
 NAME = "smollm2-135m-instruct"
 QUESTION = "What is 2+3? Answer with a number."
@@ -98,7 +98,7 @@ def test_cpu_engine_serves_it_with_and_without_lora(model_dir, tokenizer, tmp_pa
     from transformers import AutoModelForCausalLM
 
     from artsg_nb.engines import SamplingParams
-    from artsg_nb.server import ServerConfig, start_server
+    from artsg_nb.serving.server import ServerConfig, start_server
 
     torch.manual_seed(0)
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from artsg_nb.run_config import resolve_release
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.run.config import resolve_release
+from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 

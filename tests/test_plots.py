@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from artsg_nb import plots  # noqa: E402
-from artsg_nb.history import COLUMNS  # noqa: E402
+from artsg_nb.view import plots  # noqa: E402
+from artsg_nb.run.history import COLUMNS  # noqa: E402
 
 PANELS = [plots.plot_reward, plots.plot_loss, plots.plot_kl, plots.plot_is_ratio,
           plots.plot_hit_rate, plots.plot_reload_time]
@@ -110,7 +110,7 @@ def test_liveplot_in_notebook_uses_one_display_handle(monkeypatch):
         return Handle()
 
     import IPython.display
-    monkeypatch.setattr("artsg_nb.widgets.in_jupyter", lambda: True)
+    monkeypatch.setattr("artsg_nb.view.widgets.in_jupyter", lambda: True)
     monkeypatch.setattr(IPython.display, "display", fake_display)
     live = plots.LivePlot(dpi=30)  # shows the empty grid at once
     live.update(history_df(2))
@@ -286,7 +286,7 @@ def test_live_training_bar_runs_blue_then_green_or_red(monkeypatch):
         return Handle()
 
     import IPython.display
-    monkeypatch.setattr("artsg_nb.widgets.in_jupyter", lambda: True)
+    monkeypatch.setattr("artsg_nb.view.widgets.in_jupyter", lambda: True)
     monkeypatch.setattr(IPython.display, "display", fake_display)
     live = plots.LiveTraining(2)
     live.step_done(history_df(1))

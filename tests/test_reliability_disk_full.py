@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from artsg_nb.lora import AdapterSaveError, save_adapter_atomic
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.rl.lora import AdapterSaveError, save_adapter_atomic
+from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import SCRIPTED
 
 

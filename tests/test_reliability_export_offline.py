@@ -13,8 +13,8 @@ from pathlib import Path
 
 import transformers
 
-from artsg_nb import session
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.run import session
+from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import SCRIPTED
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -15,8 +15,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from artsg_nb.fleet import Fleet, FleetClient
-from artsg_nb.router import Router
+from artsg_nb.serving.fleet import Fleet, FleetClient
+from artsg_nb.serving.router import Router
 
 
 class Worker:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import psutil
 
-from artsg_nb.server import ServerConfig, start_server
+from artsg_nb.serving.server import ServerConfig, start_server
 
 
 def test_a_huge_prompt_is_refused_before_it_is_tokenised(tmp_path, tiny_model_dir):

@@ -23,8 +23,8 @@ import pytest
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from artsg_nb.distributed import RankedTrainer
-from artsg_nb.trainer import TrainerConfig
+from artsg_nb.rl.distributed import RankedTrainer
+from artsg_nb.rl.trainer import TrainerConfig
 from test_distributed import _groups
 
 

@@ -19,7 +19,7 @@ TESTS = str(Path(__file__).resolve().parent)
 UNDER_O = r'''
 import math, sys, torch
 assert not __debug__ or sys.exit("run under python -O")
-from artsg_nb.trainer import Trainer, TrainerConfig
+from artsg_nb.rl.trainer import Trainer, TrainerConfig
 from test_distributed import _groups
 trainer = Trainer(TrainerConfig(model_path=sys.argv[1], lora_rank=4, lora_alpha=8, seed=0))
 groups = _groups()
@@ -47,7 +47,7 @@ def test_a_huge_reward_never_makes_a_non_finite_update_under_python_O(tiny_model
 
 MP_MAIN = r'''
 import sys
-from artsg_nb.tasks import NOT_IMPORTABLE, Task, task_spec
+from artsg_nb.tasks.registry import NOT_IMPORTABLE, Task, task_spec
 my_task = Task("mine", "defined in __main__", 1, 4, factory=lambda seed: None)
 sys.modules["__mp_main__"] = sys.modules["__main__"]  # what multiprocessing does in a notebook kernel
 print(task_spec(my_task) == ("mine", NOT_IMPORTABLE), task_spec(my_task))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from artsg_nb.engines import Generation
-from artsg_nb.rollout import (SCHEDULES, Trajectory, collect_groups, env_suffix_ids, render_ids,
+from artsg_nb.rollout.groups import (SCHEDULES, Trajectory, collect_groups, env_suffix_ids, render_ids,
                               rollout_stats, turn_end_text)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -321,7 +321,7 @@ def cpu_engine(tmp_path_factory, tiny_model_dir):
     """(client factory, tokenizer) of a real CPU engine subprocess serving the tiny model."""
     from transformers import AutoTokenizer
 
-    from artsg_nb.server import ServerConfig, start_server
+    from artsg_nb.serving.server import ServerConfig, start_server
 
     model = str(tiny_model_dir)
     server = start_server(ServerConfig(engine="cpu", model_path=model,
@@ -344,7 +344,7 @@ def _params(task, **kw):
 
 
 def test_engine_single_turn_groups(cpu_engine):
-    from artsg_nb.tasks import get_task
+    from artsg_nb.tasks.registry import get_task
 
     server, tok = cpu_engine
     task = get_task("addition")
@@ -362,7 +362,7 @@ def test_engine_single_turn_groups(cpu_engine):
 
 
 def test_engine_multi_turn_tokens_are_the_servers(cpu_engine):
-    from artsg_nb.tasks import get_task
+    from artsg_nb.tasks.registry import get_task
 
     server, tok = cpu_engine
     task = get_task("guess_number")
@@ -401,7 +401,7 @@ class _FlakyTask:
 
 
 def test_engine_failures_are_recorded(cpu_engine):
-    from artsg_nb.tasks import get_task
+    from artsg_nb.tasks.registry import get_task
 
     server, tok = cpu_engine
     task = get_task("addition")
@@ -417,19 +417,19 @@ class _NeverDone:
     """guess_number's prompt, but no reply ends the episode (a right first guess would, 1 in 9)."""
 
     def __init__(self, seed: int):
-        from artsg_nb.tasks import get_task
+        from artsg_nb.tasks.registry import get_task
         self.prompt = get_task("guess_number").make_env(seed).reset()
 
     def reset(self):
         return self.prompt
 
     def step(self, reply: str):
-        from artsg_nb.tasks import StepResult
+        from artsg_nb.tasks.registry import StepResult
         return StepResult(messages=[{"role": "user", "content": "Again."}], reward=None, done=False)
 
 
 def test_engine_truncation(cpu_engine):
-    from artsg_nb.tasks import get_task
+    from artsg_nb.tasks.registry import get_task
 
     server, tok = cpu_engine
     task = replace(get_task("guess_number"), factory=_NeverDone)
@@ -444,8 +444,8 @@ def test_engine_prefix_schedule_hit_rate(cpu_engine):
     """The CPU engine runs one prefill at a time (each finished prefill is in the radix cache
     before the next starts), so even "naive" reaches the theoretical hit rate there; on SGLang,
     which batches identical prompts into one prefill, only the prefix schedules do."""
-    from artsg_nb.metrics import theoretical_hit_rate
-    from artsg_nb.tasks import get_task
+    from artsg_nb.serving.metrics import theoretical_hit_rate
+    from artsg_nb.tasks.registry import get_task
 
     server, tok = cpu_engine
     task = get_task("addition")

@@ -11,9 +11,9 @@ import random
 import pytest
 
 from artsg_nb.engines import SamplingParams, make_client
-from artsg_nb.metrics import cache_counters, hit_rate, parse_metrics
-from artsg_nb.router import RouterError, build_router_command, start_router
-from artsg_nb.server import ServerConfig, start_server
+from artsg_nb.serving.metrics import cache_counters, hit_rate, parse_metrics
+from artsg_nb.serving.router import RouterError, build_router_command, start_router
+from artsg_nb.serving.server import ServerConfig, start_server
 from lora_files import make_adapter
 
 pytest.importorskip("sglang_router", reason="needs the sglang-router package (environment-train.yml)")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from artsg_nb.run_config import RunConfig, check_resumable, config_record, resolve_schedule
-from artsg_nb.tasks import get_task
+from artsg_nb.run.config import RunConfig, check_resumable, config_record, resolve_schedule
+from artsg_nb.tasks.registry import get_task
 
 
 def test_auto_schedule_is_n_for_single_turn_and_prefix_for_multi_turn():

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from artsg_nb.history import History
-from artsg_nb.samples import constant_groups
-from artsg_nb.session import GRPORun, RunConfig
-from artsg_nb.tasks import StepResult
+from artsg_nb.run.history import History
+from artsg_nb.rollout.samples import constant_groups
+from artsg_nb.run.session import GRPORun, RunConfig
+from artsg_nb.tasks.registry import StepResult
 from scripted_tasks import alternating_reward
 
 

@@ -17,9 +17,10 @@ import httpx
 import psutil
 import pytest
 
-from artsg_nb import engines, procs, server
-from artsg_nb.gpus import GpuInfo, plan_gpus
-from artsg_nb.server import (PortInUseError, ServerConfig, ServerNotReady, ServerStartError,
+from artsg_nb import engines
+from artsg_nb.serving import procs, server
+from artsg_nb.serving.gpus import GpuInfo, plan_gpus
+from artsg_nb.serving.server import (PortInUseError, ServerConfig, ServerNotReady, ServerStartError,
                              build_command, build_env, start_server)
 
 FAKE_ENGINE = r'''
@@ -60,7 +61,7 @@ httpd.serve_forever()
 
 FAKE_KERNEL = r'''
 import json, sys, time
-from artsg_nb.server import ServerConfig, start_server
+from artsg_nb.serving.server import ServerConfig, start_server
 s = start_server(ServerConfig(engine="cpu", model_path="fake", run_dir=sys.argv[1],
                               _command_override=tuple(json.loads(sys.argv[2]))))
 print(s.port, s.pid, flush=True)
@@ -394,7 +395,7 @@ HAS_WEB = all(importlib.util.find_spec(m) is not None for m in ("fastapi", "uvic
 @pytest.mark.skipif(not HAS_CPU_ENGINE, reason="artsg_nb/cpu_engine/ is not written yet")
 @pytest.mark.skipif(not HAS_WEB, reason="the CPU engine's fastapi/uvicorn are not installed here")
 def test_real_cpu_engine_starts_and_stops(tmp_path):
-    from artsg_nb.tiny_model import default_model_dir
+    from artsg_nb.models.tiny import default_model_dir
 
     cfg = ServerConfig(engine="cpu", model_path=str(default_model_dir(pretrain_steps=0)), run_dir=str(tmp_path))
     srv = start_server(cfg)
@@ -409,7 +410,7 @@ def test_real_cpu_engine_starts_and_stops(tmp_path):
 
 # ---- real SGLang on a GPU host (see tools/gpu/README.md) -------------------------------------
 def _sglang_env_ready() -> bool:
-    from artsg_nb.gpus import list_gpus
+    from artsg_nb.serving.gpus import list_gpus
     return bool(os.environ.get("ARTSG_SERVER_PYTHON")) and bool(list_gpus())
 
 
@@ -418,8 +419,8 @@ SGLANG_TEST_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pyto
 
 KERNEL_STARTS_SGLANG = r'''
 import sys
-from artsg_nb.gpus import plan_gpus
-from artsg_nb.server import ServerConfig, start_server
+from artsg_nb.serving.gpus import plan_gpus
+from artsg_nb.serving.server import ServerConfig, start_server
 s = start_server(ServerConfig("sglang", sys.argv[1], sys.argv[2], gpu_plan=plan_gpus(prefer="colocated"),
                               mem_fraction=0.3, extra_args=tuple(sys.argv[3:])))
 print(s.port, s.pid, flush=True)
@@ -428,7 +429,7 @@ import time; time.sleep(900)
 
 
 def _gpu0_used_gib() -> float:
-    from artsg_nb.gpus import list_gpus
+    from artsg_nb.serving.gpus import list_gpus
     return list_gpus()[0].mem_used_mib / 1024
 
 
@@ -438,8 +439,8 @@ def _gpu0_used_gib() -> float:
 def test_real_sglang_orphan_reaped_then_start_stop(tmp_path):
     """A kernel that dies leaves SGLang (and its scheduler workers) running on the GPU; the next
     start reaps the whole group and frees the memory; its own server stops cleanly too."""
-    from artsg_nb.gpus import plan_gpus
-    from artsg_nb.tiny_model import default_model_dir
+    from artsg_nb.serving.gpus import plan_gpus
+    from artsg_nb.models.tiny import default_model_dir
 
     model = str(default_model_dir("0.5b", pretrain_steps=0))
     kernel, port, pid = start_kernel(KERNEL_STARTS_SGLANG, model, str(tmp_path / "dead"), *SGLANG_TEST_ARGS)
@@ -478,7 +479,7 @@ def test_start_bar_ends_green_on_success_and_red_on_failure(ok, style, capsys):
     120 s must not look failed, and a failure must never look done."""
     from tqdm.notebook import tqdm as notebook_tqdm
 
-    from artsg_nb.server import _end_bar
+    from artsg_nb.serving.server import _end_bar
 
     bar = notebook_tqdm(total=120, bar_format="{desc}: {n:.0f}/{total} s")
     bar.update(9)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from artsg_nb import engines, server_env
-from artsg_nb.server_env import ServerEnvNotFoundError, find_server_env
+from artsg_nb import engines
+from artsg_nb.serving import server_env
+from artsg_nb.serving.server_env import ServerEnvNotFoundError, find_server_env
 
 
 def fake_python(path: Path, body: str) -> Path:

@@ -3,7 +3,7 @@ loads a new adapter, unloads the old one, and the next rollouts are served by th
 rollouts outside training (GRPORun.rollouts) under the newest adapter."""
 import asyncio
 
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 

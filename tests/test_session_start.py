@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from artsg_nb.server import start_while as _in_parallel
+from artsg_nb.serving.server import start_while as _in_parallel
 
 
 class _Server:

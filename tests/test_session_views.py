@@ -9,10 +9,10 @@ import pytest
 
 matplotlib.use("Agg")
 
-from artsg_nb import plots  # noqa: E402
-from artsg_nb.gpus import GpuPlan  # noqa: E402
-from artsg_nb.history import History  # noqa: E402
-from artsg_nb.session import GRPORun, RunConfig  # noqa: E402
+from artsg_nb.view import plots  # noqa: E402
+from artsg_nb.serving.gpus import GpuPlan  # noqa: E402
+from artsg_nb.run.history import History  # noqa: E402
+from artsg_nb.run.session import GRPORun, RunConfig  # noqa: E402
 
 
 class FakeServer:

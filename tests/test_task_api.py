@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 import artsg_nb
-from artsg_nb import tasks
-from artsg_nb.run_config import RunConfig, config_record
-from artsg_nb.server import ModelPathError
-from artsg_nb.session import GRPORun
-from artsg_nb.tasks import Task, TaskImportError, UnknownTaskError, register_task, resolve_task
+from artsg_nb.tasks import registry as tasks
+from artsg_nb.run.config import RunConfig, config_record
+from artsg_nb.serving.server import ModelPathError
+from artsg_nb.run.session import GRPORun
+from artsg_nb.tasks.registry import Task, TaskImportError, UnknownTaskError, register_task, resolve_task
 from artsg_nb.train import main, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def test_learning_rate_follows_the_model(tiny_model_dir, tmp_path):
     assert GRPORun(RunConfig(model_path=str(tiny_model_dir))).learning_rate(str(tiny_model_dir)) == 3e-3
     assert GRPORun(RunConfig(model_path=str(tmp_path))).learning_rate(str(tmp_path)) == 2e-4
     assert GRPORun(RunConfig(model_path=str(tmp_path), learning_rate=1e-5)).learning_rate(str(tmp_path)) == 1e-5
-    built = tmp_path / "smollm2"  # a real model built offline by artsg_nb.models carries a .complete of its own
+    built = tmp_path / "smollm2"  # a real model built offline by artsg_nb.models.pretrained carries a .complete of its own
     built.mkdir()
     (built / ".complete").write_text('{"name": "smollm2-135m-instruct", "recipe": "x"}')
     assert GRPORun(RunConfig(model_path=str(built))).learning_rate(str(built)) == 2e-4

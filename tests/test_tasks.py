@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from artsg_nb import tasks
-from artsg_nb.tasks import UnknownTaskError, addition_reward, get_task, list_tasks, play, shop_reward
+from artsg_nb.tasks import registry as tasks
+from artsg_nb.tasks.registry import UnknownTaskError, addition_reward, get_task, list_tasks, play, shop_reward
 
 GARBAGE = ["", " ", "\n\n", "seven", "7 apples", "7.0", "<|im_end|>", "¿7?", "\x00\x01", "9" * 50, "price",
            "price  ", "price fig fig", "PRICE", "-", "--3", "٣", "🙂", "price 🙂"]

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from artsg_nb import tasks, tiny_model
-from artsg_nb.tiny_model import CHAT_EOS, build_tiny_model, encode_transcript
+from artsg_nb.tasks import registry as tasks
+from artsg_nb.models import tiny as tiny_model
+from artsg_nb.models.tiny import CHAT_EOS, build_tiny_model, encode_transcript
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -28,7 +29,7 @@ def test_shipped_build_is_the_recorded_one_by_the_current_recipe():
     marker = tiny_model._marker("tiny", 0, tiny_model.DEFAULT_PRETRAIN_STEPS["tiny"])
     assert tiny_model.shipped_marker() == marker, (
         "tiny_model.py or tasks.py changed since the shipped tiny model was built: rebuild it with "
-        "`python -m artsg_nb.tiny_model --ship` and commit artsg_nb/shipped/")
+        "`python -m artsg_nb.models tiny --ship` and commit artsg_nb/models/shipped/")
 
 
 @pytest.fixture(scope="module")

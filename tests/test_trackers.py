@@ -6,7 +6,7 @@ import logging
 import pytest
 from pathlib import Path
 
-from artsg_nb.trackers import Trackers, numeric_fields
+from artsg_nb.run.trackers import Trackers, numeric_fields
 
 ROWS = [{"step": 1, "adapter": "policy-step-1", "reward_mean": 0.25, "loss": None, "update_skipped": False},
         {"step": 2, "adapter": "policy-step-2", "reward_mean": 0.5, "loss": 0.1, "eval_reward": 0.75}]
@@ -91,7 +91,7 @@ def test_a_failing_sink_warns_once_and_never_breaks_training(tmp_path, caplog):
     def unimportable(*args):
         raise ImportError("No module named 'wandb'")
 
-    caplog.set_level(logging.WARNING, logger="artsg_nb.trackers")
+    caplog.set_level(logging.WARNING, logger="artsg_nb.run.trackers")
     trackers = Trackers(["tensorboard", "wandb"], tmp_path, "run", {}, factories={"tensorboard": Broken,
                                                                                     "wandb": unimportable})
     broken = trackers.sinks["tensorboard"]

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from artsg_nb.grpo import GRPOConfig
-from artsg_nb.trainer import CheckpointError, Trainer, TrainerConfig, _micro_batches
+from artsg_nb.rl.grpo import GRPOConfig
+from artsg_nb.rl.trainer import CheckpointError, Trainer, TrainerConfig, _micro_batches
 
 
 def _traj(ids, n_prompt, reward, logp=-2.0):
@@ -137,7 +137,7 @@ def test_auto_keeps_unsloth_off_the_narrow_heads_it_was_seen_to_get_wrong(tmp_pa
     5.5 nats away from it; the models it serves correctly have head_dim 64."""
     import json
 
-    from artsg_nb.trainer import unsloth_fits
+    from artsg_nb.rl.trainer import unsloth_fits
 
     assert not unsloth_fits(str(tiny_model_dir))
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from artsg_nb.watchdog import HealthWatchdog
+from artsg_nb.run.watchdog import HealthWatchdog
 
 
 class FakeServer:
@@ -82,8 +82,8 @@ def test_a_fleet_reports_its_workers_progress_summed():
     import asyncio as aio
     from types import SimpleNamespace
 
-    from artsg_nb.fleet import FleetClient
-    from artsg_nb.metrics import progress_tokens
+    from artsg_nb.serving.fleet import FleetClient
+    from artsg_nb.serving.metrics import progress_tokens
 
     class Worker:
         def __init__(self, tokens):

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from artsg_nb import widgets
-from artsg_nb.gpus import GpuInfo, GpuPlan
-from artsg_nb.widgets import Dashboard, sparkline
+from artsg_nb.view import widgets
+from artsg_nb.serving.gpus import GpuInfo, GpuPlan
+from artsg_nb.view.widgets import Dashboard, sparkline
 
 GIB = 1024  # MiB
 
@@ -158,7 +158,7 @@ def test_tracker_error_is_shown_and_logged_but_thread_survives(dashboards, caplo
     tracker.fail = True
     dashboard = dashboards(split_plan(), FakeServer(), tracker, refresh_s=0.02,
                            gpu_reader=two_gpus)
-    with caplog.at_level(logging.WARNING, logger="artsg_nb.widgets"):
+    with caplog.at_level(logging.WARNING, logger="artsg_nb.view.widgets"):
         dashboard.start()
         assert wait_until(lambda: "metrics endpoint unreachable" in dashboard.widget.value)
         time.sleep(0.1)  # several more failing refreshes
@@ -200,7 +200,7 @@ def test_server_health_error_shows_unknown_and_keeps_refreshing(dashboards):
 
 
 def test_with_the_real_hit_rate_tracker(dashboards):
-    from artsg_nb.metrics import CacheCounters, HitRateTracker
+    from artsg_nb.serving.metrics import CacheCounters, HitRateTracker
 
     tracker = HitRateTracker(engine="sglang")
     text = dashboards(cpu_plan(), tracker=tracker).render_text()

@@ -52,9 +52,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..retention import version_steps
-from ..run_config import CONFIG_FILE, RunConfig
-from ..session import GRPORun
+from ..run.retention import version_steps
+from ..run.config import CONFIG_FILE, RunConfig
+from ..run.session import GRPORun
 from .convert import AmbiguousTokens, to_groups
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import logging
 import math
 from typing import Any, Callable, Iterable
 
-from ..rollout import Trajectory, TrajectoryGroup
+from ..rollout.groups import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Sequence
 import pandas as pd
 import tyro
 
-from ..run_config import glue_flag_values, split_flags
+from ..run.config import glue_flag_values, split_flags
 from .results import summary_table
 from .run import BenchConfig, run_bench
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import httpx
 
 from ..engines.sglang import merge_stream_chunk
-from ..rollout import TrajectoryGroup
+from ..rollout.groups import TrajectoryGroup
 
 RAW_SCHEDULES = ("naive", "prefix", "n")
 """Schedules the raw baseline implements (the others are toolkit-only variants)."""

@@ -35,11 +35,11 @@ import torch
 import tyro
 
 from ..engines import SamplingParams, make_client, run_sync
-from ..metrics import cache_counters, hit_rate, theoretical_hit_rate
-from ..rollout import SCHEDULES, collect_groups, rollout_stats
-from ..server import TARGET_MODULES, ServerConfig, start_server
-from ..server_env import ServerEnvNotFoundError, find_server_env
-from ..tiny_model import default_model_dir
+from ..serving.metrics import cache_counters, hit_rate, theoretical_hit_rate
+from ..rollout.groups import SCHEDULES, collect_groups, rollout_stats
+from ..serving.server import TARGET_MODULES, ServerConfig, start_server
+from ..serving.server_env import ServerEnvNotFoundError, find_server_env
+from ..models.tiny import default_model_dir
 from .raw import RAW_SCHEDULES, raw_plans, replay_raw
 from .results import COLUMNS, results_frame, save_results
 from .workloads import SyntheticTask

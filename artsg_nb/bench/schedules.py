@@ -15,7 +15,7 @@ from typing import Sequence
 
 import pandas as pd
 
-from ..metrics import TURN_COLUMNS, turn_hit_rates
+from ..serving.metrics import TURN_COLUMNS, turn_hit_rates
 
 HELD_OUT_SEED = 1_000_000
 """First env seed of the batches played here: away from the training seeds' usual range."""

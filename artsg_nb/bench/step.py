@@ -40,9 +40,9 @@ from typing import Sequence
 import pandas as pd
 import tyro
 
-from ..grpo import GRPOConfig
-from ..run_config import RunConfig
-from ..session import GRPORun
+from ..rl.grpo import GRPOConfig
+from ..run.config import RunConfig
+from ..run.session import GRPORun
 from .results import step_ratios
 from .step_job import COLUMNS, FRAMEWORKS, StepBenchConfig, leg_result
 

@@ -17,8 +17,8 @@ from typing import Literal
 import torch
 import tyro
 
-from ..tasks import AdditionEnv
-from ..tiny_model import default_model_dir
+from ..tasks.registry import AdditionEnv
+from ..models.tiny import default_model_dir
 from .run import hardware_name
 
 COLUMNS = ["framework", "engine", "model", "max_new_tokens", "steps", "step_s_median", "rollout_s_median",

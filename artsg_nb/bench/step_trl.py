@@ -20,9 +20,9 @@ from trl import GRPOConfig as TRLConfig
 from trl import GRPOTrainer
 from trl.trainer import utils as trl_utils
 
-from ..tasks import addition_reward
-from ..tiny_model import default_model_dir
-from ..trainer import LORA_TARGETS
+from ..tasks.registry import addition_reward
+from ..models.tiny import default_model_dir
+from ..rl.trainer import LORA_TARGETS
 from .step_job import StepBenchConfig, job_prompts, leg_result
 
 

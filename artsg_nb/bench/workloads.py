@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tasks import StepResult
+from ..tasks.registry import StepResult
 
 
 def synthetic_text(tokenizer, n_tokens: int, rng: random.Random) -> str:

@@ -44,11 +44,10 @@ import time
 from dataclasses import replace
 from typing import Iterable
 
-from ..procs import key_launcher
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, saver_problem)
 from .errors import AdapterExistsError, EngineError, MemorySaverError
-from .spec import EngineSpec
+from .spec import EngineSpec, key_launcher
 
 log = logging.getLogger(__name__)
 

@@ -78,3 +78,15 @@ class EngineSpec:
     def args_var(self) -> str:
         """$ARTSG_<ENGINE>_ARGS: extra server flags (e.g. an offline GPU bundle's backends)."""
         return f"ARTSG_{self.name.upper()}_ARGS"
+
+
+def key_launcher(module: str, key_env: str) -> str:
+    """`python -c` code that runs `module` as __main__ with `--api-key <key>` appended to its
+    sys.argv inside the process, the key taken (and removed) from the environment variable
+    `key_env`. /proc/<pid>/cmdline, readable by every local user, shows the argv the process was
+    started with, so it never holds the key. For programs that parse sys.argv in-process (SGLang's
+    launch_server, sglang_router) and offer no key variable or file; plain code, so the target
+    environment needs nothing of ours."""
+    return (f"import os, runpy, sys\nkey = os.environ.pop({key_env!r}, '')\n"
+            f"if key:\n    sys.argv += ['--api-key', key]\n"
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from artsg_nb.bench import load_results, load_step_results, step, step_ratios, step_trl
-from artsg_nb.grpo import GRPOConfig
+from artsg_nb.rl.grpo import GRPOConfig
 
 
 def test_cli_flags_parse():
@@ -27,7 +27,7 @@ def test_the_artsg_nb_leg_imports_unsloth_first():
     import subprocess
     import sys
 
-    code = ("import sys, artsg_nb.bench.step, artsg_nb.session; "
+    code = ("import sys, artsg_nb.bench.step, artsg_nb.run.session; "
             "print(sorted(m for m in ('transformers', 'peft', 'trl') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

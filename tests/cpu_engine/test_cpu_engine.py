@@ -39,7 +39,7 @@ def cpu_engine_model_dir(request) -> Path:
     try:
         return Path(request.getfixturevalue("tiny_model_dir"))
     except pytest.FixtureLookupError:
-        from artsg_nb.tiny_model import default_model_dir
+        from artsg_nb.models.tiny import default_model_dir
 
         return default_model_dir()
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from artsg_nb.engines import EngineError, MemorySaverError, SamplingParams
-from artsg_nb.run_config import resolve_release as _resolve_release
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.run.config import resolve_release as _resolve_release
+from artsg_nb.run.session import GRPORun, RunConfig
 
 PROMPT = [5, 17, 33, 101, 250, 7, 9, 64, 300, 12, 45, 88]
 

@@ -12,8 +12,8 @@ import shlex
 import pytest
 
 from artsg_nb.engines import AdapterExistsError, AdapterRankError, SamplingParams, UnknownAdapterError
-from artsg_nb.metrics import cache_counters
-from artsg_nb.server import ServerConfig, start_server
+from artsg_nb.serving.metrics import cache_counters
+from artsg_nb.serving.server import ServerConfig, start_server
 from lora_files import make_adapter
 
 ENGINES = [e.strip() for e in os.environ.get("ARTSG_TEST_ENGINES", "cpu").split(",") if e.strip()]

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from artsg_nb.procs import STATE_DIR_VAR
+from artsg_nb.serving.procs import STATE_DIR_VAR
 
 _outcomes: dict[str, str] = {}  # nodeid → "survived" | "skipped" | "lost"
 _WORST = {"survived": 0, "skipped": 1, "lost": 2}  # a test's worst phase decides its outcome

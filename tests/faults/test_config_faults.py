@@ -20,11 +20,11 @@ import sys
 import psutil
 import pytest
 
-from artsg_nb.server_env import ServerEnvNotFoundError
-from artsg_nb.gpus import NoGpuError, list_gpus
-from artsg_nb.server import ModelPathError, PortInUseError, ServerConfig, start_server
-from artsg_nb.session import GRPORun, RunConfig
-from artsg_nb.tasks import UnknownTaskError, list_tasks
+from artsg_nb.serving.server_env import ServerEnvNotFoundError
+from artsg_nb.serving.gpus import NoGpuError, list_gpus
+from artsg_nb.serving.server import ModelPathError, PortInUseError, ServerConfig, start_server
+from artsg_nb.run.session import GRPORun, RunConfig
+from artsg_nb.tasks.registry import UnknownTaskError, list_tasks
 
 pytestmark = pytest.mark.faults
 

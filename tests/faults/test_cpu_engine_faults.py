@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from artsg_nb.server import ServerConfig, start_server
+from artsg_nb.serving.server import ServerConfig, start_server
 
 pytestmark = pytest.mark.faults
 

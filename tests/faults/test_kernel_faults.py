@@ -19,16 +19,16 @@ import signal
 import httpx
 import pytest
 
-from artsg_nb import procs
-from artsg_nb.server import start_server
-from artsg_nb.session import GRPORun, RunConfig, ServerLostError
+from artsg_nb.serving import procs
+from artsg_nb.serving.server import start_server
+from artsg_nb.run.session import GRPORun, RunConfig, ServerLostError
 from test_server import fake_cfg, fake_engine, start_kernel  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.faults
 
 OLD_KERNEL = r'''
 import sys, time
-from artsg_nb.server import ServerConfig, start_server
+from artsg_nb.serving.server import ServerConfig, start_server
 server = start_server(ServerConfig(engine="cpu", model_path=sys.argv[1], run_dir=sys.argv[2]))
 print(server.port, server.pid, flush=True)
 time.sleep(600)

@@ -38,9 +38,9 @@ from pathlib import Path
 import pytest
 
 from artsg_nb.engines import SGLangClient
-from artsg_nb.lora import AdapterMismatchError
-from artsg_nb.session import GRPORun, RunConfig
-from artsg_nb.trainer import CheckpointError
+from artsg_nb.rl.lora import AdapterMismatchError
+from artsg_nb.run.session import GRPORun, RunConfig
+from artsg_nb.rl.trainer import CheckpointError
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 pytestmark = pytest.mark.faults

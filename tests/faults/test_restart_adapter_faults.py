@@ -28,8 +28,8 @@ TESTS = str(Path(__file__).resolve().parents[1])
 
 KERNEL = r'''
 import asyncio, json, sys, time
-from artsg_nb.history import History
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.run.history import History
+from artsg_nb.run.session import GRPORun, RunConfig
 model_dir, run_dir, mode, resume = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
 cfg = RunConfig(task="scripted_tasks:SCRIPTED", engine="cpu", model_path=model_dir, run_dir=run_dir, group_size=2,
                 groups_per_step=2, lora_rank=4, lora_alpha=8, seed=3, resume=resume, verbose=False)

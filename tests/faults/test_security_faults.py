@@ -30,11 +30,11 @@ import httpx
 import psutil
 import pytest
 
-from artsg_nb import procs
+from artsg_nb.serving import procs
 from artsg_nb.engines import SamplingParams
-from artsg_nb.procs import RunDirBusyError, RunDirLock
-from artsg_nb.server import ServerConfig, start_server
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.serving.procs import RunDirBusyError, RunDirLock
+from artsg_nb.serving.server import ServerConfig, start_server
+from artsg_nb.run.session import GRPORun, RunConfig
 from test_server import fake_cfg, fake_engine, start_kernel  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.faults
@@ -96,7 +96,7 @@ def test_default_server_requires_a_key_that_no_argv_shows(tmp_path, model_dir, p
 
 ADOPTING_KERNEL = r'''
 import sys, time
-from artsg_nb.server import ServerConfig, start_server
+from artsg_nb.serving.server import ServerConfig, start_server
 server = start_server(ServerConfig(engine=sys.argv[3], model_path=sys.argv[1], run_dir=sys.argv[2]))
 print(server.port, server.pid, flush=True)
 time.sleep(600)
@@ -135,8 +135,8 @@ def test_kernel_restart_adopts_the_live_server(tmp_path, model_dir, private_serv
 
 WRITER_KERNEL = r'''
 import sys, time
-from artsg_nb.procs import RunDirBusyError
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.serving.procs import RunDirBusyError
+from artsg_nb.run.session import GRPORun, RunConfig
 print("ready", flush=True)
 sys.stdin.readline()  # the test releases both kernels at the same moment
 try:

@@ -38,8 +38,8 @@ import torch
 from safetensors.torch import load_file
 
 from artsg_nb.engines import AdapterRankError, EngineError, SGLangClient
-from artsg_nb.lora import AdapterSaveError, AdapterVersion, load_version
-from artsg_nb.session import GRPORun, RunConfig, ServerLostError
+from artsg_nb.rl.lora import AdapterSaveError, AdapterVersion, load_version
+from artsg_nb.run.session import GRPORun, RunConfig, ServerLostError
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 pytestmark = pytest.mark.faults

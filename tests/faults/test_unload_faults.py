@@ -29,8 +29,8 @@ import pytest
 
 from artsg_nb.engines import SamplingParams
 from artsg_nb.engines.errors import AdminTimeoutError
-from artsg_nb.server import ServerConfig, start_server
-from artsg_nb.session import GRPORun, RunConfig
+from artsg_nb.serving.server import ServerConfig, start_server
+from artsg_nb.run.session import GRPORun, RunConfig
 from lora_files import make_adapter
 from scripted_tasks import ADDITION_WITH_SIGNAL
 

@@ -159,7 +159,7 @@ def main(argv=None) -> int:
 
 def _gpu_name() -> str | None:
     try:
-        from artsg_nb.gpus import list_gpus
+        from artsg_nb.serving.gpus import list_gpus
         return ", ".join(g.name for g in list_gpus()) or None
     except Exception:
         return None

@@ -105,7 +105,7 @@ for s in "${sets[@]}"; do
   case $s in
     kernel|web|unsloth|unsloth-extra|tms|extra|router|art|art-polars) fetch_list "$LISTS/$s-wheels.txt" "$REPO/.whl-$s" ;;
     smollm2) echo "== smollm2 -> .gguf/p1, .gguf/p2"
-             gguf=$(PYTHONPATH=$REPO "$PY" -c "from artsg_nb.models import gguf_path; print(gguf_path('smollm2-135m-instruct'))")
+             gguf=$(PYTHONPATH=$REPO "$PY" -c "from artsg_nb.models.pretrained import gguf_path; print(gguf_path('smollm2-135m-instruct'))")
              rm -rf "$REPO/.gguf"; mkdir -p "$REPO/.gguf/p1" "$REPO/.gguf/p2"
              half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
              split -b "$half" -d "$gguf" "$REPO/.gguf/gguf.part"

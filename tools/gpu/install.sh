@@ -26,7 +26,7 @@
 #   .gguf/p1, .gguf/p2             -> /tmp/gguf/: the two halves of SmolLM2-135M-Instruct's GGUF (98 MB,
 #                                     over one run's 64 MiB), carried in consecutive runs; once both
 #                                     are there and match .gguf/p2/sha256, it is assembled where
-#                                     artsg_nb.models looks for it ($ARTSG_CACHE/downloads/...)
+#                                     artsg_nb.models.pretrained looks for it ($ARTSG_CACHE/downloads/...)
 #
 # Sets are installed in parallel, each into a temporary folder that replaces the old one only on
 # success. /tmp survives to the next run only if it starts within ~30 s of this one ending, so
@@ -208,7 +208,7 @@ export PYTHONPATH=$KPATH$REPO\${ARTSG_BASE_PYTHONPATH:+:\$ARTSG_BASE_PYTHONPATH}
 export PATH=$T/kernel-site/bin:\$ARTSG_BASE_PATH
 export ARTSG_SERVER_PYTHON=$PY
 export ARTSG_SERVER_PYTHONPATH=$SPATH
-# Also handed to the server subprocess explicitly by artsg_nb.server_env.server_extra_env (KEY=VALUE ...).
+# Also handed to the server subprocess explicitly by artsg_nb.serving.server_env.server_extra_env (KEY=VALUE ...).
 export ARTSG_SERVER_ENV="HF_HUB_OFFLINE=1 SGLANG_IS_FLASHINFER_AVAILABLE=false TVM_FFI_CACHE_DIR=$T/tvmcache CUDA_HOME=/usr/local/cuda$SENV_EXTRA"
 export ARTSG_VLLM_ENV="HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1"
 export ARTSG_SGLANG_READY=$(have "$T/sglang-site" && [[ -d $T/sglang-stub ]] && echo 1 || echo 0)

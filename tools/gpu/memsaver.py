@@ -123,7 +123,7 @@ def gpu_memory(index: int, server_pid: int | None) -> dict:
 
 
 def preflight(rec: Recorder) -> None:
-    from artsg_nb.server_env import child_env, server_extra_env
+    from artsg_nb.serving.server_env import child_env, server_extra_env
 
     python = os.environ.get("ARTSG_SERVER_PYTHON", "python3")
     try:
@@ -139,8 +139,8 @@ def preflight(rec: Recorder) -> None:
 
 
 def make_cfg(a, run_dir: str, release: bool, weights_backup: bool):
-    from artsg_nb.server_env import server_args
-    from artsg_nb.session import RunConfig
+    from artsg_nb.serving.server_env import server_args
+    from artsg_nb.run.session import RunConfig
 
     args = server_args(a.engine)
     args += ("--enable-weights-cpu-backup",) if weights_backup else ()
@@ -227,7 +227,7 @@ def failed(rec: Recorder, name: str, run, e: BaseException) -> None:
 
 def main_run(a, rec: Recorder) -> None:
     from artsg_nb.engines import DEFAULT_TAGS, MEMORY_TAGS
-    from artsg_nb.session import GRPORun
+    from artsg_nb.run.session import GRPORun
 
     run = None
     try:
@@ -263,7 +263,7 @@ def main_run(a, rec: Recorder) -> None:
 
 
 def baseline(a, rec: Recorder) -> None:
-    from artsg_nb.session import GRPORun
+    from artsg_nb.run.session import GRPORun
 
     if a.no_baseline or rec.left_s() < 200:
         rec.stage("baseline", None, reason="--no-baseline" if a.no_baseline else f"{rec.left_s():.0f} s of budget left")

@@ -41,7 +41,7 @@ async def probe(client, model_dir, adapters, engine, results):
     from transformers import AutoTokenizer
 
     from artsg_nb.engines import AdapterExistsError, SamplingParams
-    from artsg_nb.metrics import cache_counters
+    from artsg_nb.serving.metrics import cache_counters
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 3+4? " * 30}], add_generation_prompt=True,
@@ -116,8 +116,8 @@ def main():
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from artsg_nb.server_env import server_args
-    from artsg_nb.server import ServerConfig, start_server
+    from artsg_nb.serving.server_env import server_args
+    from artsg_nb.serving.server import ServerConfig, start_server
 
     results = {"engine": a.engine, "model": a.model}
     extra = server_args(a.engine)

@@ -32,7 +32,7 @@ def synthetic_groups(vocab: int, groups: int, samples: int, prompt: int, complet
 
 
 def measure(model: str, backend: str, steps: int, groups: int, samples: int, prompt: int, completion: int) -> dict:
-    from artsg_nb.trainer import Trainer, TrainerConfig
+    from artsg_nb.rl.trainer import Trainer, TrainerConfig
 
     t0 = time.perf_counter()
     tr = Trainer(TrainerConfig(model_path=model, use_unsloth=(backend == "unsloth"), device="cuda",

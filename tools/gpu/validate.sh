@@ -13,7 +13,7 @@
 #               ~9.5 min on a fresh host (every SGLang start 55-120 s): give the call timeout_s=600.
 #   nshapes     tools/gpu/n_shapes.py: balanced n vs native n vs prefix/naive under an adapter on one
 #               server, then the unload after native n (shows sglang#36894), $OUT/n_shapes.json
-#   models      tiny (CI's, pretrained) and 0.5b (Qwen2.5-0.5B's shape) via python -m artsg_nb.tiny_model
+#   models      tiny (CI's, pretrained) and 0.5b (Qwen2.5-0.5B's shape) via python -m artsg_nb.models tiny
 #   probe-tiny  tools/gpu/probe_engine.py on the tiny model with real SGLang (served? adapters? cache?)
 #   probe-05b   the same on the 0.5b model
 #   tests       pytest -m "gpu or sglang" with ARTSG_TEST_ENGINES=sglang (engine integration tests)
@@ -72,18 +72,18 @@ phase() {  # phase NAME LIMIT_S COMMAND...
 for p in "$@"; do
   echo "[$(date +%H:%M:%S)] phase $p"
   case $p in
-    smoke)       SHIPPED=$PWD/artsg_nb/shipped/tiny-s0-p800  # the weights CI tests (no build on the host)
+    smoke)       SHIPPED=$PWD/artsg_nb/models/shipped/tiny-s0-p800  # the weights CI tests (no build on the host)
                  SMOKE_JSON="$OUT/$(date +%Y%m%d)-h200-smoke.json"
                  timeout 585 env ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/defaults_smoke.py --model $SHIPPED \
                    --out "$SMOKE_JSON" ${SMOKE_PARTS:+--parts $SMOKE_PARTS} 2>&1 | tee "$OUT/smoke.log" \
                    | grep -E '^(PASS|FAIL) |^    |schedule ' | cut -c1-400
                  [[ ${PIPESTATUS[0]} == 0 ]] || FAILS=$((FAILS + 1)) ;;
-    models)      phase models 240 bash -c "python3 -m artsg_nb.tiny_model $TINY && python3 -m artsg_nb.tiny_model $BIG --size 0.5b" ;;
+    models)      phase models 240 bash -c "python3 -m artsg_nb.models tiny $TINY && python3 -m artsg_nb.models tiny $BIG --size 0.5b" ;;
     probe-tiny)  phase probe-tiny 300 python3 tools/gpu/probe_engine.py --engine sglang --model $TINY --run-dir /tmp/probe-tiny --out "$OUT/probe_tiny.json" ;;
     probe-05b)   phase probe-05b 300 python3 tools/gpu/probe_engine.py --engine sglang --model $BIG --run-dir /tmp/probe-05b --out "$OUT/probe_05b.json" ;;
     nshapes)     phase nshapes 300 python3 tools/gpu/n_shapes.py --model $TINY --out "$OUT/n_shapes.json"
                  grep -E '^\{|balanced|unload after' "$OUT/nshapes.log" | cut -c1-300 | sed 's/^/    /' ;;
-    tiny)        phase tiny 240 python3 -m artsg_nb.tiny_model $TINY ;;
+    tiny)        phase tiny 240 python3 -m artsg_nb.models tiny $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
     stepbench)   phase stepbench 560 python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL --max-new-tokens 8 256 \
                    --steps ${STEP_STEPS:-6} --groups 16 --group-size 8 --run-dir /tmp/runs/step --out "$OUT/step.csv"
@@ -120,7 +120,7 @@ for p in "$@"; do
                  if [[ $p == memsaver ]]; then M=$TINY; TAG=tiny; SIZE=tiny; else M=$BIG; TAG=05b; SIZE=0.5b; fi
                  MB=${MEMSAVER_BUDGET_S:-420}
                  phase "$p" $((MB + 60)) bash -c "[ \"\${ARTSG_TMS_READY:-0}\" = 1 ] || { echo 'torch_memory_saver is not installed: carry .whl-tms (tools/gpu/README.md)'; exit 3; }
-                   [ -f $M/config.json ] || python3 -m artsg_nb.tiny_model $M --size $SIZE || exit 4
+                   [ -f $M/config.json ] || python3 -m artsg_nb.models tiny $M --size $SIZE || exit 4
                    python3 tools/gpu/memsaver.py --model $M --run-dir /tmp/runs/memsaver-$TAG --out $OUT/memsaver_$TAG.json --budget-s $MB"
                  grep -E '^(PASS|FAIL|SKIP) |^memsaver:' "$OUT/$p.log" | cut -c1-400 | sed 's/^/    /' ;;
     reload)      phase reload 300 python3 benchmarks/reload_profile.py --model $SMOL --engine sglang \

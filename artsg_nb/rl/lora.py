@@ -1,0 +1,271 @@
+"""Adapter versions: save atomically, hot-reload into the server, retire old ones, verify.
+
+What it does: after each GRPO step the trainer's adapter is written to a temporary directory and
+renamed to `<run_dir>/adapters/policy-step-N` (so a half-written adapter is never visible under a
+final name), its checksum is stored beside it, it is loaded into the server under the immutable
+name `policy-step-N` (SGLang refuses to reload an existing name; vLLM's in-place reload from one
+path reuses stale KV), and earlier versions are unloaded (they hold server memory). `verify`
+checks the served adapter is the one just trained: the stored checksum matches the file, and the
+server's logprobs of fixed probe tokens agree with the trainer's and moved from the previous
+version's.
+
+What it does not do: train, or decide when to reload (the session does, between steps, when no
+rollout is in flight, so an unload never waits).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+from .checkpoint import CheckpointError
+from ..engines import UnknownAdapterError
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILE = "adapter_model.safetensors"
+STALE_TMP_S = 600.0  # a half-written adapter directory untouched this long is left from a crash
+
+
+@dataclass
+class AdapterVersion:
+    """One trained adapter on disk."""
+
+    name: str
+    """Served name, `policy-step-N`."""
+    path: Path
+    """Final directory (inside the run directory)."""
+    step: int
+    """GRPO steps applied to it."""
+    sha256: str
+    """Checksum of adapter_model.safetensors, stored in `sha256.txt` beside it."""
+
+
+class AdapterSaveError(RuntimeError):
+    """Saving an adapter failed; nothing was published under the final name."""
+
+
+class AdapterMismatchError(RuntimeError):
+    """The server does not serve the adapter that was just trained."""
+
+
+def adapter_name(step: int) -> str:
+    return f"policy-step-{step}"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> AdapterVersion:
+    """`save_fn(tmp_dir)` writes a PEFT adapter; publish it as `policy-step-<step>` by rename."""
+    adapters_dir = Path(adapters_dir)
+    final = adapters_dir / adapter_name(step)
+    tmp = adapters_dir / f".tmp-{adapter_name(step)}-{uuid.uuid4().hex[:8]}"
+    try:
+        adapters_dir.mkdir(parents=True, exist_ok=True)
+        save_fn(tmp)
+        if not (tmp / ADAPTER_FILE).exists():
+            raise AdapterSaveError(f"the trainer wrote no {ADAPTER_FILE} into {tmp}")
+        digest = file_sha256(tmp / ADAPTER_FILE)
+        (tmp / "sha256.txt").write_text(digest + "\n")
+        _fsync_dir(tmp)
+        if final.exists():  # a re-run of a step after a crash: replace the stale copy
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(adapters_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written version behind
+        # safetensors reports a failed write (disk full) as SafetensorError, not OSError.
+        if not isinstance(e, (OSError, SafetensorError)):
+            raise
+        raise AdapterSaveError(
+            f"could not save adapter {adapter_name(step)} under {adapters_dir}: {e}. "
+            "Free disk space or point run_dir at a writable disk; the previous adapter is still served."
+        ) from e
+    return AdapterVersion(adapter_name(step), final, step, digest)
+
+
+def remove_stale_tmp(adapters_dir: str | Path, older_than_s: float = STALE_TMP_S) -> list[str]:
+    """Remove `.tmp-policy-step-*` directories left by a save that crashed (killed kernel, power
+    loss) and not touched for `older_than_s`: a save in progress writes into its directory, and a
+    run directory has one writer. Returns the names removed."""
+    removed, now = [], time.time()
+    for tmp in Path(adapters_dir).glob(".tmp-policy-step-*"):
+        try:
+            newest = max([tmp.stat().st_mtime] + [p.stat().st_mtime for p in tmp.rglob("*")])
+        except FileNotFoundError:
+            continue
+        if now - newest >= older_than_s:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp.name)
+    if removed:
+        log.warning("removed half-written adapter directories of an earlier crash: %s", sorted(removed))
+    return removed
+
+
+def load_version(adapters_dir: str | Path, step: int) -> AdapterVersion:
+    """The saved adapter of `step`, its checksum checked against the file."""
+    path = Path(adapters_dir) / adapter_name(step)
+    try:
+        stored = (path / "sha256.txt").read_text().strip() if (path / "sha256.txt").exists() else None
+    except UnicodeDecodeError as e:
+        raise AdapterMismatchError(f"{path / 'sha256.txt'} is corrupt ({e}); move {path} out of the run "
+                                   "directory and resume from the checkpoint before it") from e
+    if stored is None or not (path / ADAPTER_FILE).exists():
+        raise AdapterSaveError(f"{path} is not a complete adapter (no {ADAPTER_FILE} or sha256.txt)")
+    actual = file_sha256(path / ADAPTER_FILE)
+    if actual != stored:
+        raise AdapterMismatchError(f"{path}: checksum {actual[:12]} differs from the stored {stored[:12]}: "
+                                   f"{path / ADAPTER_FILE} is corrupt. Move {path} out of the run directory and "
+                                   "resume from the checkpoint before it (resume=True)")
+    return AdapterVersion(path.name, path, step, stored)
+
+
+def latest_checkpoint(adapters_dir: str | Path, last_step: int) -> AdapterVersion:
+    """The newest adapter with a trainer checkpoint at or before `last_step` (the newest step
+    with a history row: a checkpoint saved after it is redone, as it would have been without a
+    loss), its checksum checked."""
+    adapters = Path(adapters_dir)
+    steps = [s for s in (int(p.name.rsplit("-", 1)[1]) for p in adapters.glob("policy-step-*")
+                         if (p / "trainer_state.json").exists()) if s <= last_step]
+    if not steps:
+        raise CheckpointError(f"resume=True but {adapters} holds no complete checkpoint; "
+                              "start without resume or point run_dir at the run to continue")
+    return load_version(adapters, max(steps))
+
+
+def check_inside(path: Path, run_dir: Path) -> None:
+    """Adapters are only ever loaded from inside the run directory."""
+    if not Path(path).resolve().is_relative_to(Path(run_dir).resolve()):
+        raise ValueError(f"refusing to load adapter {path}: it is outside the run directory {run_dir}")
+
+
+@dataclass
+class AdapterPublisher:
+    """Keeps the server serving the newest adapter and only that (plus `keep - 1` older)."""
+
+    client: object
+    run_dir: Path
+    keep: int = 1
+    served: list[AdapterVersion] = field(default_factory=list)
+
+    @property
+    def current(self) -> AdapterVersion | None:
+        return self.served[-1] if self.served else None
+
+    async def publish(self, version: AdapterVersion) -> float:
+        """Load `version` into the server, then unload older versions; seconds taken."""
+        check_inside(version.path, self.run_dir)
+        t0 = time.perf_counter()
+        await self.client.load_adapter(version.name, str(version.path.resolve()))
+        self.served.append(version)
+        while len(self.served) > self.keep:
+            old = self.served.pop(0)
+            await self._unload(old.name)
+        return time.perf_counter() - t0
+
+    async def clear(self) -> list[str]:
+        """Unload every adapter the server holds that this publisher did not load; the names
+        unloaded. A server adopted after a kernel restart (or reused by a re-run cell) still
+        holds what the earlier run loaded (policy-step-K, and K+1 if it died after the load), and
+        a name cannot be loaded twice: the run's first publish of that name would fail. With
+        several servers each worker is cleared (they may hold different sets)."""
+        mine = {v.name for v in self.served}
+        cleared = []
+        for client in getattr(self.client, "workers", None) or [self.client]:  # fleet.FleetClient
+            for name in await client.list_adapters():
+                if name not in mine:
+                    try:
+                        await client.unload_adapter(name)
+                    except UnknownAdapterError:
+                        pass
+                    cleared.append(name)
+        if cleared:
+            log.warning("unloaded adapters an earlier run left on the server: %s", sorted(set(cleared)))
+        return cleared
+
+    async def republish(self) -> None:
+        """After a server restart: load the newest version again (the server lost it).
+
+        The newest version is remembered until a load of it succeeds: a server that dies during
+        this load leaves `served` as it was, so the next restart loads it again (forgetting it
+        would make the next rollouts sample from the base model)."""
+        if not self.served:
+            return
+        newest = self.served[-1]
+        check_inside(newest.path, self.run_dir)
+        await self.client.load_adapter(newest.name, str(newest.path.resolve()))
+        self.served = [newest]
+
+    async def _unload(self, name: str) -> None:
+        try:
+            await self.client.unload_adapter(name)
+        except UnknownAdapterError:
+            log.warning("adapter %s was already gone from the server", name)
+
+
+async def probe_served_adapter(client, version: AdapterVersion, probe_ids: list[int], trainer_logps: list[float],
+                               previous_logps: list[float] | None, tol: float) -> dict:
+    """Compare the server's logprobs of `probe_ids` under `version` with the trainer's.
+
+    The adapter is the one just trained when the server agrees with the trainer (mean absolute
+    difference below `tol`) and, if a previous version was probed, the logprobs moved.
+    """
+    served = await client.score(probe_ids, adapter=version.name)
+    diffs = [abs(a - b) for a, b in zip(served, trainer_logps) if a is not None and math.isfinite(a)]
+    mad = sum(diffs) / max(len(diffs), 1)
+    moved = None
+    if previous_logps is not None:
+        moved = sum(abs(a - b) for a, b in zip(trainer_logps, previous_logps)) / max(len(trainer_logps), 1)
+    result = {"probe_mad": mad, "probe_moved": moved}
+    if mad > tol:
+        raise AdapterMismatchError(
+            f"the server's logprobs under {version.name} differ from the trainer's by {mad:.4f} on average "
+            f"(tolerance {tol}): the served adapter is not the one just trained. Check that requests select the "
+            "adapter (SGLang: lora_path or model 'base:adapter') and that the server's LoRA target modules "
+            "match the trainer's.")
+    return result
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class MaskedScorer:
+    """Adapts `client.score` to return only the probe's model-token positions."""
+
+    def __init__(self, client, mask, temperature):
+        self.client, self.mask, self.temperature = client, mask, temperature
+
+    async def score(self, ids, adapter=None):
+        lps = await self.client.score(ids, adapter=adapter, temperature=self.temperature)
+        return [x for x, m in zip(lps, self.mask) if m]
+
+
+def probe_trajectory(groups):
+    """The first trajectory of a step with model tokens: what the served adapter is checked on."""
+    for g in groups:
+        for t in g.trajectories:
+            if t.error is None and sum(t.completion_mask) > 0:
+                return t
+    return None

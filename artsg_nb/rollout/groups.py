@@ -1,0 +1,545 @@
+"""Rollouts: G episodes per prompt from an inference server, as token-exact trajectories.
+
+What it does
+- `collect_groups` plays one GRPO group of `group_size` episodes per env seed (same seed → same
+  opening messages), single- or multi-turn, with at most `concurrency` requests in flight.
+- Tokens: turn 1's prompt is the chat template of the opening messages with the generation
+  prompt. A model turn's token ids and logprobs are the server's (`Generation.output_ids` /
+  `.logprobs`); generated text is never re-tokenised. Between turns the env's messages are
+  appended as tokens rendered by the chat template (see `env_suffix_ids`), so
+  `token_ids = prompt + (model tokens, env tokens)*` and `completion_mask` is 1 exactly on the
+  model's tokens. Each later turn sends the whole history, which the server's prefix cache holds.
+- Failures are data: a failed request, an env that raises, or a reward that is None/NaN is
+  recorded in `Trajectory.error` (the trainer skips it); the group keeps its valid members.
+- Length budget: a trajectory never exceeds `max_seq_tokens`; a request's `max_new_tokens` is
+  clamped to the room left, and an episode that runs out of room is cut (`truncated=True`).
+- Submission order (`schedule`), the lever on the prefix-cache hit rate. SGLang's radix cache
+  reuses a prompt only once its prefill has finished: G identical prompts in one prefill batch
+  are all computed (measured on an H200: hit rate 0.28 instead of (G-1)/G = 0.875).
+    "naive"        every request at once (the baseline the others are measured against).
+    "prefix"       per group a leader first; the G-1 followers are sent when the leader's first
+                   token streams back (its prompt is cached by then). Leaders of all groups go
+                   out together, so they share prefill batches.
+    "prefix_sync"  as "prefix", but followers of all groups are released together once every
+                   leader has its first token: one follower prefill batch, lock-step decoding.
+    "prefix_n"     as "prefix", but the followers go as one request with n = G-1.
+    "n"            one request with n = G per group (engine-native parallel sampling; SGLang
+                   primes the cache with a prefill-only copy first, vLLM shares blocks). Under an
+                   adapter on an SGLang with the n > 1 reference bug (sglang#36894, every release
+                   so far) the client sends the same work as that warm-up plus one batch of G
+                   n = 1 samples, whose references balance (engines/sglang.py).
+  Only turn 1 is scheduled; later turns extend each episode's own history.
+- Seeds: with `sampling_seed_base`, member i of a group at model turn t is sampled with the seed
+  `request_seed(base, group seed, t) + i` (an n-sample request for members i..i+n-1 sends the
+  seed of member i: engines seed sample j with seed + j), so a redone or resumed step draws the
+  same samples under every schedule.
+
+What it does not do: talk HTTP (engines/), compute advantages (grpo.py), build tensors
+(trainer.py). Env methods are called in the event loop, so they should be quick, or `async def`
+(awaited: a tool call that hits an API). A task with `group_reward` (dataset tasks) is scored
+once per group after its episodes end; a reward it cannot give is `Trajectory.reward_error`.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any, Awaitable, Callable, Sequence
+
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("naive", "prefix", "prefix_sync", "prefix_n", "n")
+"""Turn-1 submission orders accepted by `collect_groups` (see the module docstring)."""
+
+_SENTINEL = "\u2063artsg-sentinel\u2063"  # stands in for a reply to find the template's turn ending
+
+
+def is_valid(traj) -> bool:
+    """What a valid trajectory is, the one definition: no error and a finite reward. Takes any
+    object with `.error` and `.reward` (a rank process's copies, a test's stand-ins)."""
+    return traj.error is None and traj.reward is not None and math.isfinite(traj.reward)
+
+
+def is_trainable(traj) -> bool:
+    """Valid, with at least one model token (completion mask 1) to train on."""
+    return is_valid(traj) and sum(traj.completion_mask) > 0
+
+
+class RolloutError(RuntimeError):
+    """A rollout could not be played (recorded on the Trajectory, not raised to the caller)."""
+
+
+class NoRewardError(RuntimeError):
+    """Every episode of a step that played to the end has a `reward_error`: nothing to train on."""
+
+
+@dataclass
+class Trajectory:
+    """One episode as the trainer sees it: tokens, which of them the model produced, the reward."""
+
+    messages: list[dict]
+    """The conversation: opening messages, then assistant replies (server text) and env messages."""
+    token_ids: list[int]
+    """prompt + (model tokens, env tokens)*, exactly as sent to and returned by the server."""
+    completion_mask: list[int]
+    """1 on model-generated tokens, 0 on prompt/env/turn-closing tokens; aligned with token_ids."""
+    logprobs: list[float]
+    """Server sampling logprobs (temperature-scaled) where mask == 1, 0.0 elsewhere."""
+    reward: float | None = None
+    """Final reward from the env; None when the episode failed."""
+    error: str | None = None
+    """Why the episode is unusable ("ExcType: message"); None for a valid episode."""
+    turns: int = 0
+    """Model turns played."""
+    prompt_tokens: int = 0
+    """Prompt tokens the server processed, summed over turns."""
+    cached_tokens: int = 0
+    """Prompt tokens served from the server's prefix cache, summed over turns."""
+    truncated: bool = False
+    """The length budget (max_seq_tokens) cut a reply or ended the episode early."""
+    adapter: str | None = None
+    """Adapter that generated the model tokens (None: base model)."""
+    prompt_len: int = 0
+    """Tokens before the first model token."""
+    seed: int = 0
+    """Env seed of the group."""
+    finish_reasons: list[str] = field(default_factory=list)
+    """Server finish reason per model turn: "stop" | "length" | "abort"."""
+    reward_error: str | None = None
+    """Why a played episode has no reward from its task's group scoring (`Task.group_reward`: a
+    reward function raised, or returned None/NaN for it); such an episode is left out of the
+    advantages like a failed one, but counted apart (history column `reward_errors`)."""
+    turn_stats: list[dict] = field(default_factory=list)
+    """Per model turn: {"prompt_tokens", "cached_tokens"} as the server reported them (the sums
+    are `prompt_tokens` / `cached_tokens`); metrics.turn_hit_rates tabulates them."""
+
+    @property
+    def valid(self) -> bool:
+        """Usable for training: no error and a finite reward (`is_valid`)."""
+        return is_valid(self)
+
+    def model_segments(self) -> list[tuple[int, int]]:
+        """(start, end) of each run of model tokens (mask 1) in `token_ids`, in order: model
+        turn k's prompt is `token_ids[:start_k]`, its reply `token_ids[start_k:end_k]`."""
+        runs, start = [], None
+        for i, m in enumerate(self.completion_mask + [0]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                runs.append((start, i))
+                start = None
+        return runs
+
+
+@dataclass
+class TrajectoryGroup:
+    """The G episodes of one env seed; GRPO compares rewards within it."""
+
+    seed: int
+    """Env seed shared by the group."""
+    trajectories: list[Trajectory]
+    """All members, failed ones included (see Trajectory.valid)."""
+
+    @property
+    def valid(self) -> list[Trajectory]:
+        return [t for t in self.trajectories if t.valid]
+
+
+# ---------------------------------------------------------------------------- chat tokenisation
+
+def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of `messages` under the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                        add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def turn_end_text(tokenizer, messages: list[dict]) -> str:
+    """What the template writes after an assistant reply (ChatML: "<|im_end|>\\n")."""
+    text = chat_text(tokenizer, messages + [{"role": "assistant", "content": _SENTINEL}], False)
+    if _SENTINEL not in text:
+        raise RolloutError("the chat template dropped the assistant content; cannot find where an "
+                           "assistant turn ends")
+    return text[text.rindex(_SENTINEL) + len(_SENTINEL):]
+
+
+def env_suffix_ids(tokenizer, history_ids: list[int], messages: list[dict],
+                   new_messages: list[dict], reply_ids: list[int] | None = None) -> tuple[list[int], bool]:
+    """Tokens to append after a model turn: the turn's closing tokens, `new_messages`, the
+    generation prompt. Returns (ids, used_fallback).
+
+    `history_ids` are the tokens so far, ending with the model's reply; `messages` the
+    conversation so far, ending with that reply as an assistant message.
+
+    1. The turn-closing token (eos, "<|im_end|>") is added when the server's output lacks it.
+    2. Preferred: render the whole conversation (+ new messages + generation prompt) and take
+       the tokens after `history_ids` — valid when `history_ids` is a token prefix of that
+       rendering. A sampled reply is often not the canonical tokenisation of its own text
+       (or its text was cut mid-character), so the prefix often does not match. Then:
+    3. Fallback: tokenise, as text, only what the template adds after the reply (the rest of
+       the turn ending, the new messages, the generation prompt) and append it. With ChatML
+       every such piece starts after a special token, so no BPE merge crosses the boundary.
+    Step 2 tokenises the whole history (O(history) per turn: ~4 ms at 1.5k tokens, ~25 ms at
+    6k on one core); given the model's `reply_ids`, it is skipped when they are not the reply
+    text's own tokenisation: the prefix then (nearly) never matches, and the fallback is valid.
+    """
+    closing = turn_end_text(tokenizer, messages[:-1])
+    end_ids = tokenizer.encode(closing, add_special_tokens=False)
+    eos = end_ids[:1]  # the turn ending's first token: the end-of-turn token in ChatML-like templates
+    known = list(history_ids)
+    added: list[int] = []
+    if eos and known[-len(eos):] != eos:
+        added, known = list(eos), known + eos
+    if reply_ids is None or _canonical(tokenizer, messages[-1]["content"], reply_ids, eos):
+        full = render_ids(tokenizer, messages + new_messages, add_generation_prompt=True)
+        if full[:len(known)] == known:
+            return added + full[len(known):], False
+    previous = chat_text(tokenizer, messages, add_generation_prompt=False)
+    whole = chat_text(tokenizer, messages + new_messages, add_generation_prompt=True)
+    if not whole.startswith(previous):
+        raise RolloutError("the chat template re-renders earlier turns when a message is added; "
+                           "multi-turn token histories need an append-only template")
+    eos_text = tokenizer.decode(eos) if eos else ""
+    rest = closing[len(eos_text):] if eos_text and closing.startswith(eos_text) else closing
+    tail = tokenizer.encode(rest + whole[len(previous):], add_special_tokens=False)
+    return added + tail, True
+
+
+def _canonical(tokenizer, text: str, reply_ids: list[int], eos: list[int]) -> bool:
+    """Are the model's tokens (less a trailing eos) how the tokenizer itself splits `text`?"""
+    ids = reply_ids[:-len(eos)] if eos and reply_ids[-len(eos):] == eos else reply_ids
+    return tokenizer.encode(text, add_special_tokens=False) == list(ids)
+
+
+# ---------------------------------------------------------------------------- episodes
+
+@dataclass
+class _Ctx:
+    """What every request of one `collect_groups` call shares."""
+
+    client: Any
+    tokenizer: Any
+    params: Any
+    adapter: str | None
+    sem: asyncio.Semaphore
+    max_seq_tokens: int
+    truncation_reward: float | None
+    max_turns: int
+    fallbacks: int = 0
+    seed_base: int | None = None
+    group_scored: bool = False
+
+    def seed(self, group_seed: int, turn: int, index: int) -> int | None:
+        """Sampling seed of group member `index` at model turn `turn`; None when unseeded."""
+        return None if self.seed_base is None else request_seed(self.seed_base, group_seed, turn) + index
+
+
+def request_seed(base: int, group_seed: int, turn: int) -> int:
+    """Seed of member 0 of a group at one turn; member i uses this + i. Below 2**31 - 2**16, so
+    it stays a valid 32-bit seed for any group size an engine accepts."""
+    return random.Random(f"{base}/{group_seed}/{turn}").randrange((1 << 31) - (1 << 16))
+
+
+async def _generate(ctx: _Ctx, ids: list[int], max_new: int, n: int = 1,
+                    on_first_token: Callable | None = None, seed: int | None = None) -> list:
+    """One server request → `n` Generations. At most `concurrency` of these run at once."""
+    seeded = {"seed": seed} if hasattr(ctx.params, "seed") else {}  # per request, never the caller's
+    params = replace(ctx.params, max_new_tokens=max_new, n=n, **seeded)
+    kwargs = {"on_first_token": on_first_token} if on_first_token is not None else {}
+    async with ctx.sem:
+        gens = await ctx.client.generate(ids, params, adapter=ctx.adapter, **kwargs)
+    if len(gens) != n:
+        raise RolloutError(f"asked the server for n={n} samples, got {len(gens)}")
+    return gens
+
+
+def _room(ctx: _Ctx, n_tokens: int) -> int:
+    return min(ctx.params.max_new_tokens, ctx.max_seq_tokens - n_tokens)
+
+
+def _finite_reward(reward) -> float:
+    if reward is None:
+        raise RolloutError("the env finished the episode without a reward (None)")
+    value = float(reward)
+    if not math.isfinite(value):
+        raise RolloutError(f"the env returned a non-finite reward ({value})")
+    return value
+
+
+def _append_model_turn(ctx: _Ctx, traj: Trajectory, gen, max_new: int) -> None:
+    traj.token_ids += gen.output_ids
+    traj.completion_mask += [1] * len(gen.output_ids)
+    traj.logprobs += list(gen.logprobs)
+    traj.messages.append({"role": "assistant", "content": gen.text})
+    traj.prompt_tokens += gen.prompt_tokens
+    traj.cached_tokens += gen.cached_tokens
+    traj.turn_stats.append({"prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens})
+    traj.finish_reasons.append(gen.finish_reason)
+    traj.turns += 1
+    if gen.finish_reason == "length" and max_new < ctx.params.max_new_tokens:
+        traj.truncated = True  # the budget, not max_new_tokens, cut this reply
+
+
+def _append_env_turn(ctx: _Ctx, traj: Trajectory, new_messages: list[dict], reply_ids: list[int]) -> None:
+    ids, fallback = env_suffix_ids(ctx.tokenizer, traj.token_ids, traj.messages, new_messages, reply_ids)
+    ctx.fallbacks += fallback
+    traj.token_ids += ids
+    traj.completion_mask += [0] * len(ids)
+    traj.logprobs += [0.0] * len(ids)
+    traj.messages += new_messages
+
+
+def _cut(ctx: _Ctx, traj: Trajectory) -> None:
+    """End an episode that has no room for another turn (the env gave no final reward)."""
+    n = ctx.max_seq_tokens
+    traj.token_ids, traj.completion_mask, traj.logprobs = (
+        traj.token_ids[:n], traj.completion_mask[:n], traj.logprobs[:n])
+    traj.truncated = True
+    if ctx.truncation_reward is None:
+        traj.error = f"RolloutError: episode cut at max_seq_tokens={n} before the env finished"
+    traj.reward = ctx.truncation_reward
+
+
+async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_new: int,
+                index: int) -> Trajectory:
+    """Play one episode from its (scheduled) first generation; errors end up in `traj.error`."""
+    try:
+        gen, max_new = await first, first_max_new
+        while True:
+            _append_model_turn(ctx, traj, gen, max_new)
+            result = await _maybe_await(env.step(gen.text))
+            if result.done:
+                if not ctx.group_scored:  # else _score_group pays the reward once the group is done
+                    traj.reward = _finite_reward(result.reward)
+                return traj
+            if traj.turns >= ctx.max_turns:
+                raise RolloutError(f"the env was not done after max_turns={ctx.max_turns} turns")
+            _append_env_turn(ctx, traj, result.messages, gen.output_ids)
+            max_new = _room(ctx, len(traj.token_ids))
+            if max_new < 1:
+                _cut(ctx, traj)
+                return traj
+            [gen] = await _generate(ctx, traj.token_ids, max_new, seed=ctx.seed(traj.seed, traj.turns, index))
+    except Exception as exc:  # a failed rollout is data, not a crash (see module docstring)
+        traj.error = f"{type(exc).__name__}: {exc}"
+        log.debug("rollout seed=%d failed", traj.seed, exc_info=True)
+        return traj
+
+
+# ---------------------------------------------------------------------------- turn-1 schedules
+
+class _Release:
+    """Followers wait on this; it opens after `count` leaders have produced a first token
+    (or finished, failed included)."""
+
+    def __init__(self, count: int):
+        self.left, self.event = count, asyncio.Event()
+
+    def arrive(self, *_: Any) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.event.set()
+
+
+async def _lead(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, seed: int | None) -> Any:
+    arrived = False
+
+    def first_token(*_: Any) -> None:
+        nonlocal arrived
+        if not arrived:
+            arrived = True
+            release.arrive()
+
+    try:
+        [gen] = await _generate(ctx, ids, max_new, on_first_token=first_token, seed=seed)
+        return gen
+    finally:
+        first_token()  # a leader that fails (or never streamed) still releases its followers
+
+
+async def _follow(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, seed: int | None,
+                  n: int = 1) -> list:
+    await release.event.wait()
+    return await _generate(ctx, ids, max_new, n=n, seed=seed)
+
+
+async def _pick(shared: Awaitable, i: int) -> Any:
+    return (await shared)[i]
+
+
+async def _single(ctx: _Ctx, ids: list[int], max_new: int, seed: int | None) -> Any:
+    [gen] = await _generate(ctx, ids, max_new, seed=seed)
+    return gen
+
+
+def _first_turns(ctx: _Ctx, schedule: str, ids: list[int], max_new: int, size: int,
+                 release: _Release | None, group_seed: int) -> list[Awaitable]:
+    """One awaitable first Generation per group member, submitted in `schedule`'s order."""
+    seeds = [ctx.seed(group_seed, 0, i) for i in range(size)]  # member i's, whatever the schedule
+    if schedule == "naive" or size == 1:
+        return [_single(ctx, ids, max_new, seeds[i]) for i in range(size)]
+    if schedule == "n":
+        shared = asyncio.ensure_future(_generate(ctx, ids, max_new, n=size, seed=seeds[0]))
+        return [_pick(shared, i) for i in range(size)]
+    release = release or _Release(1)  # "prefix"/"prefix_n": this group's leader only
+    leader = _lead(ctx, ids, max_new, release, seeds[0])
+    if schedule == "prefix_n":
+        shared = asyncio.ensure_future(_follow(ctx, ids, max_new, release, seeds[1], n=size - 1))
+        return [leader] + [_pick(shared, i) for i in range(size - 1)]
+    return [leader] + [_pick(_follow(ctx, ids, max_new, release, seeds[i]), 0) for i in range(1, size)]
+
+
+async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
+                 release: _Release | None, done: Callable[[], None]) -> TrajectoryGroup:
+    envs, openings = [], []
+    try:
+        envs = [task.make_env(seed) for _ in range(size)]
+        openings = [await _maybe_await(env.reset()) for env in envs]
+        prompts = _render_prompts(ctx.tokenizer, openings)
+    except Exception as exc:
+        if release is not None:
+            release.arrive()
+        error = f"{type(exc).__name__}: {exc}"
+        return TrajectoryGroup(seed, [_failed(ctx, seed, error) for _ in range(size)])
+    max_new = _room(ctx, len(prompts[0]))
+    if any(p != prompts[0] for p in prompts) or max_new < 1:
+        if release is not None:
+            release.arrive()  # this group has no leader to wait for
+        schedule = "naive"  # members differ: nothing to share
+    trajs = [Trajectory(messages=list(m), token_ids=list(p), completion_mask=[0] * len(p),
+                        logprobs=[0.0] * len(p), prompt_len=len(p), adapter=ctx.adapter, seed=seed)
+             for m, p in zip(openings, prompts)]
+    if max_new < 1:
+        for t in trajs:
+            t.error = (f"RolloutError: the prompt has {len(t.token_ids)} tokens, no room under "
+                       f"max_seq_tokens={ctx.max_seq_tokens}")
+        return TrajectoryGroup(seed, trajs)
+    firsts = _first_turns(ctx, schedule, prompts[0], max_new, size, release, seed)
+
+    async def play(env, traj, first, index):
+        out = await _play(ctx, env, traj, first, max_new, index)
+        done()
+        return out
+
+    trajs = list(await asyncio.gather(*map(play, envs, trajs, firsts, range(size))))
+    if ctx.group_scored:
+        await _score_group(task, envs, trajs)
+    return TrajectoryGroup(seed, trajs)
+
+
+async def _maybe_await(value):
+    """An env method's result, awaited when the env is async (`async def step`)."""
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _score_group(task, envs: list, trajs: list[Trajectory]) -> None:
+    """Pay the rewards of a group-scored task: one `task.group_reward` call over the members that
+    finished; a failure, or a None/NaN reward, goes to `reward_error` (never raised)."""
+    done = [i for i, t in enumerate(trajs) if t.error is None and t.reward is None]
+    if not done:
+        return
+    try:
+        rewards = list(await _maybe_await(task.group_reward([envs[i] for i in done], [trajs[i] for i in done])))
+        if len(rewards) != len(done):
+            raise RolloutError(f"group_reward returned {len(rewards)} rewards for {len(done)} episodes")
+    except Exception as exc:
+        log.debug("group reward of seed=%d failed", trajs[0].seed, exc_info=True)
+        for i in done:
+            trajs[i].reward_error = f"{type(exc).__name__}: {exc}"
+        return
+    for i, r in zip(done, rewards):
+        value = None if r is None else float(r)
+        if value is None or not math.isfinite(value):
+            trajs[i].reward_error = "no reward: every reward function returned None or NaN for this completion"
+        else:
+            trajs[i].reward = value
+
+
+def _render_prompts(tokenizer, openings: list[list[dict]]) -> list[list[int]]:
+    """Turn-1 prompt ids per member, rendered once when the openings agree (the usual case:
+    tokenising a long prompt G times would delay the group's requests measurably)."""
+    first = render_ids(tokenizer, openings[0], add_generation_prompt=True)
+    return [first if m == openings[0] else render_ids(tokenizer, m, add_generation_prompt=True)
+            for m in openings]
+
+
+def _failed(ctx: _Ctx, seed: int, error: str) -> Trajectory:
+    return Trajectory(messages=[], token_ids=[], completion_mask=[], logprobs=[], error=error,
+                      adapter=ctx.adapter, seed=seed)
+
+
+async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_size: int, params,
+                         adapter: str | None = None, concurrency: int = 64, schedule: str = "prefix",
+                         max_seq_tokens: int = 4096, truncation_reward: float | None = 0.0,
+                         progress: bool = False, sampling_seed_base: int | None = None,
+                         ) -> list[TrajectoryGroup]:
+    """Play `group_size` episodes of `task` per seed; one TrajectoryGroup per seed, in order.
+
+    `params` (client.SamplingParams) applies to every model turn; its `n` is ignored (the
+    schedule decides). `concurrency` bounds HTTP requests in flight (an n-sample request counts
+    once). `truncation_reward` is the reward of an episode cut by `max_seq_tokens` before the
+    env finished (None: record it as failed instead). `sampling_seed_base` seeds every request
+    from (base, group seed, turn, member) — see the module docstring; `params.seed` is ignored
+    (like `n`), since one seed for every request would make the G samples identical. Never
+    raises for a failed rollout.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if group_size < 1 or concurrency < 1:
+        raise ValueError(f"group_size and concurrency must be >= 1 (got {group_size}, {concurrency})")
+    ctx = _Ctx(client, tokenizer, params, adapter, asyncio.Semaphore(concurrency), max_seq_tokens,
+               truncation_reward, max(1, int(getattr(task, "max_turns", 1) or 1)), seed_base=sampling_seed_base,
+               group_scored=getattr(task, "group_reward", None) is not None)
+    release = _Release(len(seeds)) if schedule == "prefix_sync" and group_size > 1 else None
+    with tqdm(total=len(seeds) * group_size, desc="rollouts", disable=not progress) as bar:
+        groups = await asyncio.gather(*(
+            _group(ctx, task, seed, group_size, schedule, release, lambda: bar.update(1))
+            for seed in seeds))
+    _log_summary(list(groups), ctx)
+    return list(groups)
+
+
+def require_rewards(groups: Sequence[TrajectoryGroup]) -> None:
+    """Raise NoRewardError when every played episode lacks a reward (a task whose reward
+    functions return None for everything, or always raise), naming the first reason."""
+    played = [t for g in groups for t in g.trajectories if t.error is None]
+    if played and all(t.reward_error is not None for t in played):
+        raise NoRewardError(
+            f"none of the {len(played)} completions got a reward: {played[0].reward_error}. Try: check the task's "
+            "reward functions on a few completions by hand (a TRL reward function returns None where it does not "
+            "apply; at least one function must score each completion), and that they read columns the dataset has.")
+
+
+def rollout_stats(groups: Sequence[TrajectoryGroup]) -> dict:
+    """Counts and token totals of a batch of groups (for history rows and benchmarks)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    prompt = sum(t.prompt_tokens for t in trajs)
+    cached = sum(t.cached_tokens for t in trajs)
+    return {"trajectories": len(trajs), "failed": sum(t.error is not None for t in trajs),
+            "truncated": sum(t.truncated for t in trajs),
+            "reward_errors": sum(t.reward_error is not None for t in trajs),
+            "completion_tokens": sum(sum(t.completion_mask) for t in trajs),
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else None}
+
+
+def _log_summary(groups: list[TrajectoryGroup], ctx: _Ctx) -> None:
+    stats = rollout_stats(groups)
+    if stats["reward_errors"]:
+        first = next(t.reward_error for g in groups for t in g.trajectories if t.reward_error)
+        log.warning("%d of %d rollouts have no reward (first: %s)", stats["reward_errors"], stats["trajectories"], first)
+    if stats["failed"]:
+        first = next(t.error for g in groups for t in g.trajectories if t.error)
+        log.warning("%d of %d rollouts failed (first: %s)", stats["failed"], stats["trajectories"], first)
+    if ctx.fallbacks:
+        log.debug("%d env turns used the text fallback of env_suffix_ids", ctx.fallbacks)

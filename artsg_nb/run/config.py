@@ -1,0 +1,234 @@
+"""What one GRPO run is: `RunConfig`, and the config.json a run directory keeps of it.
+
+What it does: the dataclass a notebook fills in (a docstring under each field; derive variants
+with `dataclasses.replace`), its JSON record (`config_record`, written to `<run_dir>/config.json`
+by every run, the API key left out) and the check that a resumed run computes what the original
+would have (`check_resumable` names every field that changed).
+
+What it does not do: run anything (session.py).
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass, field, replace
+from typing import Sequence
+
+from ..engines import memory_tags
+from ..engines.base import ADMIN_TIMEOUT_S
+from ..rl.grpo import GRPOConfig
+from ..tasks.registry import NOT_IMPORTABLE, Task, task_spec
+
+TINY_MODEL_LEARNING_RATE = 3e-3
+"""learning_rate=None on the offline tiny model (both demo tasks climb from ~0.4-0.5 to ~0.85 in
+10 steps of 8x8 on CPU)."""
+REAL_MODEL_LEARNING_RATE = 2e-4
+"""learning_rate=None on any other model: a LoRA rate for models of real size (~1e-5 to 1e-4 is
+the usual full-finetuning range; LoRA takes larger steps)."""
+
+
+@dataclass
+class RunConfig:
+    """Everything one GRPO run needs; derive variants with `dataclasses.replace`."""
+
+    task: str | Task = "addition"
+    """A registered task name (`python -m artsg_nb.train --list-tasks`), a `Task` object (e.g.
+    `Task.from_dataset(...)`), or "package.module:ATTR" naming a Task in an importable module."""
+    engine: str = "auto"
+    """"auto" (SGLang with a GPU, the CPU engine without), "sglang", "vllm" or "cpu"."""
+    model_path: str | None = None
+    """Base model: a directory, a hub id (e.g. "Qwen/Qwen2.5-0.5B-Instruct", fetched by the engine
+    and transformers where a hub is reachable), or a model artsg_nb builds offline
+    ("smollm2-135m-instruct", `python -m artsg_nb.models --list`); None builds the offline tiny
+    model. Exports name this (a built model by its hub id) as their base."""
+    run_dir: str = "runs/quickstart"
+    """Adapters, checkpoints, history and server logs go here."""
+    group_size: int = 8
+    """G: completions per prompt (the GRPO group)."""
+    groups_per_step: int = 8
+    """Prompts per step."""
+    max_new_tokens: int | None = None
+    """Per turn; None uses the task's own limit."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores with the same one."""
+    learning_rate: float | None = None
+    """AdamW learning rate of the LoRA weights. None follows the model: 3e-3
+    (TINY_MODEL_LEARNING_RATE) for the offline tiny model (model_path None, or a directory the
+    tiny-model build made), 2e-4 (REAL_MODEL_LEARNING_RATE) for any other model_path."""
+    lora_rank: int = 16
+    """LoRA rank (the server is started with --max-lora-rank equal to it)."""
+    lora_alpha: int = 32
+    """LoRA alpha."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """Loss variant, clipping, KL and IS correction."""
+    schedule: str = "auto"
+    """Rollout submission (see rollout.py): "auto" (`resolve_schedule`: "n" for single-turn tasks,
+    "prefix" for multi-turn), "prefix" (group leader first), "naive", "n", ... Every schedule
+    draws the same samples (rollout.py, "Seeds"), so it may change on resume."""
+    concurrency: int = 64
+    """Requests in flight at once."""
+    max_seq_tokens: int = 2048
+    """Longest trajectory; longer ones are truncated and masked."""
+    micro_batch_tokens: int = 8192
+    """Trainer token budget per forward/backward."""
+    seed: int = 0
+    """Seeds prompts, sampling and LoRA initialisation."""
+    max_restarts: int = 2
+    """Server restarts allowed per run when it dies; 0 raises at once."""
+    hang_timeout_s: float = 60.0
+    """A server that answers neither /health nor anything else for this long during a step (hung,
+    SIGSTOPped, deadlocked) is killed and restarted like one that died, and the step's server work
+    redone; 0 turns the watchdog off (then only the 600 s per-request timeout is left)."""
+    admin_timeout_s: float = ADMIN_TIMEOUT_S
+    """Seconds an admin call may take — adapter load/unload, memory release/resume, cache flush,
+    server info, metrics; each takes well under a second on a healthy server: past it the call fails
+    naming the operation, and the server is restarted and the step redone like after a crash
+    (SGLang 0.5.14's stuck unload, sglang#36894). 0: no own limit (the 600 s request timeout)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in run_dir."""
+    verify_adapter: bool = True
+    """After each reload, check the served adapter's logprobs against the trainer's."""
+    release_memory: bool | str = False
+    """Give the server's GPU memory back while the trainer runs, and take it again before the
+    reload (client.release_memory; the server is started with the memory saver). True, False,
+    or "auto": on when server and trainer share one GPU (colocated plan), off on CPU and on
+    split GPUs. SGLang needs torch_memory_saver in its environment (sglang pins it). Costs
+    release_s + resume_s per step; the prefix cache it flushes is per adapter anyway, so no hits
+    are lost. Off by default: it buys nothing while the trainer fits beside the server; "auto" is
+    the setting to try when the trainer runs short of memory on one GPU. Measured on one H200
+    (GPU memory in use as training starts 72.8 → 8.2 GiB, step times with and without the
+    saver): README "Results" and benchmarks/results/20261203-h200-gpu-tests.md."""
+    release_tags: tuple[str, ...] = ("kv_cache", "cuda_graph")
+    """What to release (engines.MEMORY_TAGS). With "weights" the server also keeps a host
+    copy of the base weights (--enable-weights-cpu-backup); without one they would be lost."""
+    server_args: tuple[str, ...] = ()
+    """Extra command-line flags for the server; empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS
+    (e.g. the attention/sampling backends an offline GPU bundle needs). CLI: one quoted string,
+    --server-args "--attention-backend triton"."""
+    api_key: str | None = "auto"
+    """The server's API key (server.ServerConfig.api_key): "auto" a random one per start, None
+    none (warned: any local user could drive the server)."""
+    num_servers: int = 1
+    """Inference servers. Above 1 they run behind sglang-router (fleet.py): a group's samples
+    stay on one server's prefix cache, every adapter version is loaded on all of them before it
+    is used, a dead one is restarted (or dropped once max_restarts is spent). CPU: N CPU engines;
+    one GPU: N servers share it (memory fraction 0.70 / N each); several GPUs: one GPU each
+    (gpus.plan_gpus). History gains worker_hit_rates and worker_prompt_tokens."""
+    trainer_ranks: int = 1
+    """Trainer processes (torch.distributed data parallel, distributed.RankedTrainer): the
+    kernel is rank 0 and starts the others; each computes its share of the batch and the LoRA
+    gradients are summed, so the update is the one-process one. GPUs: one each, split plan
+    only; CPU: processes with gloo. Logs in run_dir/trainer-rank<r>.log."""
+    verbose: bool = True
+    """Print one progress line per step."""
+    eval_every: int = 0
+    """Evaluate the served adapter after every Nth step (0: never) on held-out prompts
+    (evaluate.py); the step's history row gets eval_reward and eval_pass_at_k. Eval never trains."""
+    eval_n: int = 16
+    """Prompts per evaluation (greedy, one answer each)."""
+    keep_adapters: int = 0
+    """Keep only the newest K adapter versions on disk (0: keep all), plus every `keep_every`-th,
+    the served one and the newest resumable checkpoint (retention.py)."""
+    keep_every: int = 0
+    """With keep_adapters: also keep every Mth step's version (0: none extra)."""
+    pipeline: bool = False
+    """Overlap rollouts with training, one step off-policy (pipeline.py): step n+1's rollouts are
+    sampled on the server, under the newest published adapter, while the trainer updates on step
+    n's; the adapter is reloaded once both are done. Each step from the second trains on rollouts
+    one adapter version old (history column `staleness`), corrected by importance sampling against
+    the server's logprobs: grpo.is_mode None becomes "token_truncate" (TRL's truncated IS, capped
+    at grpo.is_clip_max). Same prompts and seeds as a synchronous run. Gains up to
+    min(rollout_s, train_s) per step where server and trainer do not share the compute (a GPU
+    each; little on a few CPU cores). Not with release_memory. The first step of a run, or of a
+    resumed one, rolls out synchronously."""
+    report_to: tuple[str, ...] = ()
+    """Trackers that get every history row: "wandb", "trackio", "tensorboard", "mlflow"
+    (trackers.py; each is optional and imported only when named here)."""
+
+
+CONFIG_FILE = "config.json"
+"""The run's RunConfig as JSON, in run_dir (the API key is never written)."""
+_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s", "verify_adapter", "concurrency",
+                          "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule",
+                          "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to"})
+"""Fields that change how a run is operated, not what it computes: a resumed run may change them."""
+
+
+def resolve_schedule(schedule: str, max_turns: int) -> str:
+    """The submission schedule a run uses: "auto" is "n" (one n=G request per group: the shared
+    prompt is prefilled once, no streaming, no leader/follower round trip; fastest on SGLang,
+    vLLM and the CPU engine at the same hit rate, benchmarks/results/20261203-0525-*.csv; on
+    SGLang under an adapter sent as a warm-up plus one balanced batch, sglang#36894) for
+    single-turn tasks, "prefix" for multi-turn ones (later turns extend each episode's own
+    history); any other value is used as given."""
+    if schedule != "auto":
+        return schedule
+    return "n" if max_turns == 1 else "prefix"
+
+
+class ConfigMismatchError(ValueError):
+    """resume=True with a configuration that differs from the one the run was started with."""
+
+
+def config_record(cfg: RunConfig) -> dict:
+    """`cfg` as the JSON-able dict saved in run_dir/config.json (tuples as lists, no API key).
+
+    `task` is recorded as a spec another process can load (`tasks.resolve_task`): the string as
+    given, or for a Task object "module:ATTR" when an importable module holds it, or its registered
+    built-in name. A Task object defined in a notebook or `__main__` is not importable: the record
+    keeps its name and adds `"task_note": "not importable"`, so the run says which task it was
+    but cannot be started again from config.json alone."""
+    spec, note = task_spec(cfg.task)
+    record = json.loads(json.dumps(asdict(replace(cfg, task=spec)), default=str))
+    if note == NOT_IMPORTABLE:
+        record["task_note"] = NOT_IMPORTABLE
+    record.pop("api_key", None)
+    return record
+
+
+def check_resumable(saved: dict, cfg: RunConfig) -> None:
+    """Raise ConfigMismatchError naming every field (other than operational ones) that differs."""
+    now = config_record(cfg)
+    changed = [f"{name}: {saved.get(name)!r} → {now.get(name)!r}" for name in sorted(set(saved) | set(now))
+               if name not in _OPERATIONAL and saved.get(name) != now.get(name)]
+    if changed:
+        raise ConfigMismatchError(
+            f"resume=True, but the configuration differs from the one this run was started with "
+            f"({CONFIG_FILE} in {cfg.run_dir}): " + "; ".join(changed) + ". A resumed run must compute "
+            "what the original would have. Try: resume with the saved values "
+            "(RunConfig(**json.load(open(path)))), or start a new run in another run_dir.")
+
+
+def resolve_release(cfg: RunConfig, mode: str) -> bool:
+    """cfg.release_memory → bool ("auto": only when server and trainer share one GPU)."""
+    memory_tags(cfg.release_tags)  # a typo fails before anything is launched
+    if cfg.release_memory == "auto":
+        release = mode == "colocated"
+    elif not isinstance(cfg.release_memory, bool):
+        raise ValueError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto'")
+    else:
+        release = cfg.release_memory
+    if release and cfg.pipeline:
+        raise ValueError(f"pipeline=True with release_memory={cfg.release_memory!r} (resolved on: {mode} plan): the "
+                         "server cannot give its GPU memory back while it samples the next step's rollouts during the "
+                         "update. Use one of them: release_memory=False to pipeline, or pipeline=False to release.")
+    return release
+
+
+def glue_flag_values(argv: Sequence[str], names: Sequence[str]) -> list[str]:
+    """`--name VALUE` → `--name=VALUE` for the flags in `names` whose value is itself server flags
+    ("--attention-backend triton"): the CLI parser would take such a VALUE for an option."""
+    out, it = [], iter(argv)
+    for arg in it:
+        if arg in names:
+            value = next(it, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
+def split_flags(values: Sequence[str]) -> tuple[str, ...]:
+    """Server flags given as quoted strings ("--attention-backend triton") as argv items, split
+    as a shell would."""
+    return tuple(part for value in values for part in shlex.split(value))

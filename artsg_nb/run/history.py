@@ -1,0 +1,290 @@
+"""One row of training metrics per GRPO step, kept in memory and on disk.
+
+`History` is what the training loop appends to and what the plots and the progress line read.
+Every row is also written as one JSON line to `<run_dir>/history.jsonl` and flushed at once, so
+a crashed kernel loses at most the step it was in; `History.load(run_dir)` resumes from that file
+and tolerates a last line cut off mid-write.
+
+It does not compute metrics (the training step does) and does not draw anything (see plots.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..files import write_atomic
+from ..rollout.groups import is_valid
+from ..serving.metrics import theoretical_hit_rate
+
+logger = logging.getLogger(__name__)
+
+HISTORY_FILE = "history.jsonl"
+
+# The step row contract (docs/internals.md, "History columns"). Rows may carry extra keys; they
+# become extra columns after these.
+COLUMNS: tuple[str, ...] = (
+    "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
+    "is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_raw_ratio_mean", "is_raw_ratio_min", "is_raw_ratio_max", "tokens", "completion_tokens",
+    "rollout_s", "train_s", "reload_s", "hit_rate", "theoretical_hit_rate", "zero_adv_groups", "failed_rollouts",
+    "reward_errors", "truncated", "release_s", "resume_s", "eval_reward", "eval_pass_at_k",
+)
+# is_ratio_*: the importance-sampling weight the loss applied (grpo.policy_loss's names: after
+# is_mode's cap, e.g. ≤ is_clip_max = 3), None without IS correction; is_raw_ratio_*: the raw
+# ratio π_θ / π_server on model tokens (on-policy ≈ 1; a pipelined step's max can be far above the cap).
+# release_s / resume_s: seconds to give the server's GPU memory back before training and take it
+# again after; None (NaN in .df) when the run does not release (RunConfig.release_memory).
+# eval_reward / eval_pass_at_k: the held-out evaluation after this step (evaluate.py); None on
+# steps without one (RunConfig.eval_every).
+TEXT_COLUMNS = frozenset({"adapter"})
+
+
+class History:
+    """Per-step metrics of one run, mirrored to `<run_dir>/history.jsonl`.
+
+    `History(run_dir)` starts an empty history; if that directory already holds a non-empty
+    history file it is moved aside (`history.<timestamp>.jsonl`, logged) rather than mixed with
+    the new run. To continue a run use `History.load(run_dir)`.
+    """
+
+    def __init__(self, run_dir: str | Path, rows: list[dict] | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / HISTORY_FILE
+        self._rows: list[dict] = list(rows or [])
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if rows is None:
+            _move_aside_if_present(self.path)
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> History:
+        """Resume from `<run_dir>/history.jsonl` (an absent file gives an empty history).
+
+        A last line cut off by a crash is dropped and trimmed from the file, so the next
+        `append` starts on a clean line.
+        """
+        path = Path(run_dir) / HISTORY_FILE
+        rows = _read_rows(path) if path.exists() else []
+        return cls(run_dir, rows=rows)
+
+    def append(self, row: dict[str, Any]) -> dict:
+        """Add one step's row (missing `step` = previous step + 1) and write it to disk now."""
+        row = {key: _plain(value) for key, value in row.items()}
+        if row.get("step") is None:
+            row["step"] = self._rows[-1]["step"] + 1 if self._rows else 0
+        row = {"step": row.pop("step"), **row}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+            f.flush()
+        self._rows.append(row)
+        return row
+
+    def truncate(self, last_step: int) -> int:
+        """Drop rows after `last_step` (resuming from an earlier checkpoint); returns how many.
+
+        The file is rewritten to match, atomically (a temporary file, then a rename).
+        """
+        kept = [row for row in self._rows if row["step"] <= last_step]
+        dropped = len(self._rows) - len(kept)
+        if dropped:
+            write_atomic(self.path, "".join(json.dumps(row) + "\n" for row in kept))
+            logger.info("%s: dropped %d row(s) after step %d", self.path, dropped, last_step)
+        self._rows = kept
+        return dropped
+
+    @property
+    def df(self) -> pd.DataFrame:
+        """One row per step with the contract columns first; absent values are NaN."""
+        extra = [k for row in self._rows for k in row if k not in COLUMNS]
+        columns = list(COLUMNS) + list(dict.fromkeys(extra))
+        df = pd.DataFrame(self._rows, columns=columns)
+        for column in COLUMNS:
+            if column not in TEXT_COLUMNS:  # None -> NaN, bools -> 0/1, so plots get floats
+                df[column] = pd.to_numeric(df[column], errors="coerce").astype(float)
+        df["step"] = df["step"].astype("int64")  # append() always sets it
+        return df
+
+    @property
+    def last(self) -> dict | None:
+        """The most recent row, or None before the first step."""
+        return dict(self._rows[-1]) if self._rows else None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __repr__(self) -> str:
+        return f"History({str(self.run_dir)!r}, steps={len(self)})"
+
+    @staticmethod
+    def format_row(row: dict[str, Any]) -> str:
+        """One progress line, e.g. `step 12 | reward 0.41 ± 0.10 | loss 0.012 | hit 0.86 | ...`.
+
+        Fields that are absent or NaN are left out; failed rollouts appear only when non-zero.
+        """
+        parts = [f"step {row.get('step', '?')}"]
+        reward, reward_std = row.get("reward_mean"), row.get("reward_std")
+        if _present(reward):
+            spread = f" ± {reward_std:.2f}" if _present(reward_std) else ""
+            parts.append(f"reward {reward:.2f}{spread}")
+        if _present(row.get("loss")):
+            parts.append(f"loss {row['loss']:.3g}")
+        if _present(row.get("hit_rate")):
+            parts.append(f"hit {row['hit_rate']:.2f}")
+        for key in ("rollout_s", "release_s", "train_s", "resume_s", "reload_s"):
+            if _present(row.get(key)):
+                parts.append(f"{key[:-2]} {_format_seconds(row[key])}")
+        if _present(row.get("failed_rollouts")) and row["failed_rollouts"] > 0:
+            parts.append(f"failed {int(row['failed_rollouts'])}")
+        if _present(row.get("zero_adv_groups")) and row["zero_adv_groups"] > 0:
+            of = f"/{int(row['groups'])}" if _present(row.get("groups")) else ""
+            parts.append(f"zero-adv {int(row['zero_adv_groups'])}{of}")
+        if row.get("update_skipped"):
+            parts.append("no update (no signal)")
+        if _present(row.get("eval_reward")):
+            parts.append(f"eval {row['eval_reward']:.2f}")
+            if _present(row.get("eval_pass_at_k")):
+                parts[-1] += f" pass {row['eval_pass_at_k']:.2f}"
+        if _present(row.get("reward_errors")) and row["reward_errors"] > 0:
+            parts.append(f"no reward {int(row['reward_errors'])}")
+        return " | ".join(parts)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """Parse a history file; drop (and trim from the file) a truncated last line."""
+    data = path.read_bytes()
+    rows: list[dict] = []
+    good_bytes = 0
+    for line in data.splitlines(keepends=True):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if good_bytes + len(line) < len(data):
+                raise ValueError(f"{path}: unreadable line {len(rows) + 1} in the middle of the "
+                                 f"file: {line[:80]!r}. Fix or remove it, then load again.")
+            logger.warning("%s: dropping a truncated last line (%d bytes)", path, len(line))
+            with open(path, "r+b") as f:
+                f.truncate(good_bytes)
+            break
+        good_bytes += len(line)
+    if rows and not data[:good_bytes].endswith(b"\n"):
+        with open(path, "ab") as f:  # a complete last row without its newline
+            f.write(b"\n")
+    return rows
+
+
+def _move_aside_if_present(path: Path) -> None:
+    """Keep an earlier run's history instead of appending a new run to it."""
+    if path.exists() and path.stat().st_size > 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = path.with_name(f"history.{stamp}.jsonl")
+        n = 1
+        while aside.exists():  # two runs started within one second
+            aside, n = path.with_name(f"history.{stamp}-{n}.jsonl"), n + 1
+        path.rename(aside)
+        logger.warning("%s held an earlier run; moved it to %s (use History.load to resume)",
+                       path, aside.name)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-safe scalar: numpy/torch scalars unwrapped, NaN and inf stored as null."""
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _present(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value))
+
+
+def _format_seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
+
+
+@dataclass
+class StepRow:
+    """One step's history row, typed: what `step_row` fills in and `History.append` writes (as
+    `as_dict()`, these keys in this order; docs/internals.md, "History columns")."""
+
+    step: int
+    adapter: str | None
+    """The adapter version served after the step."""
+    reward_mean: float
+    """Mean reward of the step's valid trajectories (NaN when none)."""
+    reward_std: float
+    loss: float | None
+    kl: float | None
+    clip_frac: float | None
+    is_ratio_mean: float | None
+    """The importance-sampling weight the loss applied (grpo.policy_loss), None without IS."""
+    is_ratio_min: float | None
+    is_ratio_max: float | None
+    is_raw_ratio_mean: float | None
+    """The raw ratio π_θ / π_server on model tokens (step_stats), before is_mode's cap."""
+    is_raw_ratio_min: float | None
+    is_raw_ratio_max: float | None
+    grad_norm: float | None
+    tokens: int | None
+    completion_tokens: int | None
+    rollout_s: float | None
+    train_s: float | None
+    reload_s: float | None
+    hit_rate: float | None
+    theoretical_hit_rate: float | None
+    release_s: float | None
+    resume_s: float | None
+    zero_adv_groups: int | None
+    groups: int
+    update_skipped: bool
+    failed_rollouts: int
+    samples: int
+    reward_errors: int
+    truncated: int
+    restarts: int
+    probe_mad: float | None
+    probe_moved: float | None
+    trainer_ranks: int | None
+    """Trainer processes; only in the row of a run with trainer_ranks > 1."""
+    time: float
+
+    def as_dict(self) -> dict:
+        row = {f.name: getattr(self, f.name) for f in fields(self)}
+        if row["trainer_ranks"] is None:
+            del row["trainer_ranks"]
+        return row
+
+
+def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: float | None,
+             times_s: tuple, probe: dict, memory_s: tuple, restarts: int) -> dict:
+    """One step's row (StepRow.as_dict): rewards of its trajectory groups, the trainer's metrics,
+    its hit rate, (rollout_s, train_s, reload_s), the served-adapter probe, (release_s,
+    resume_s), restarts."""
+    trajs = [t for g in groups for t in g.trajectories]
+    rewards = [t.reward for t in trajs if is_valid(t)]
+    mean = sum(rewards) / len(rewards) if rewards else float("nan")
+    std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
+    rollout_s, train_s, reload_s = times_s
+    release_s, resume_s = memory_s
+    m = metrics.get
+    return StepRow(
+        step=step, adapter=adapter, reward_mean=mean, reward_std=std,
+        loss=m("loss"), kl=m("kl"), clip_frac=m("clip_frac"),
+        is_ratio_mean=m("is_ratio_mean"), is_ratio_min=m("is_ratio_min"), is_ratio_max=m("is_ratio_max"),
+        is_raw_ratio_mean=m("is_raw_ratio_mean"), is_raw_ratio_min=m("is_raw_ratio_min"),
+        is_raw_ratio_max=m("is_raw_ratio_max"), grad_norm=m("grad_norm"),
+        tokens=m("tokens"), completion_tokens=m("completion_tokens"),
+        rollout_s=rollout_s, train_s=train_s, reload_s=reload_s, hit_rate=hit_rate,
+        theoretical_hit_rate=theoretical_hit_rate(groups), release_s=release_s, resume_s=resume_s,
+        zero_adv_groups=m("zero_adv_groups"), groups=len(groups), update_skipped=bool(m("update_skipped")),
+        failed_rollouts=sum(t.error is not None for t in trajs), samples=len(trajs),
+        reward_errors=sum(t.reward_error is not None for t in trajs),
+        truncated=sum(bool(t.truncated) for t in trajs), restarts=restarts,
+        probe_mad=probe.get("probe_mad"), probe_moved=probe.get("probe_moved"),
+        trainer_ranks=metrics.get("ranks"), time=time.time()).as_dict()

@@ -1,0 +1,138 @@
+"""A run's rollouts, sampled one step ahead while the trainer updates (RunConfig.pipeline).
+
+What it does: `SampleAhead` supplies the two halves of a step that pipelining changes.
+`rollouts(step)` returns the step's groups: those sampled ahead during the previous update when
+they are for this step, else a fresh synchronous rollout (the first step, a resumed run, a step
+after a skipped update or an error). `train(groups, step, update, release)` starts the rollouts of
+step+1 as an asyncio task on the server (under the newest published adapter, the one the update
+starts from) and runs the trainer's update in a worker thread meanwhile; the adapter is saved and
+hot-reloaded only once those rollouts are in (the reload unloads the adapter they sample from).
+So step n+1 trains on rollouts one adapter version old: staleness at most 1, recorded per row
+(`row`: `staleness`, `ahead_wait_s`: how long the update waited for them), corrected by importance
+sampling against the server's logprobs (session makes grpo.is_mode default to "token_truncate",
+TRL's truncated IS, when pipelining).
+
+Invariants: the rollouts sampled ahead use the seeds of the step they will train (a pipelined
+run draws the same prompts); they go through the same `with_restarts` and served-adapter check as
+synchronous ones (checked when they start); at most one rollout is in flight and none outlives
+the step that started it (a step is one `asyncio.run` in a notebook cell), so eval, `rollouts()`
+and stop() never race one. A failure of the rollouts ahead is logged and the next step rolls out
+afresh; a failed or cancelled update cancels them, and a cancelled step undoes an update the
+worker thread finished (a thread cannot be stopped), so step() can simply be run again. With
+pipeline=False both halves are the synchronous code as it was.
+
+What it does not do: decide what a step is (session.py), restart servers (supervisor.py), or the
+IS math (rl/grpo.py). It is handed the trainer, run_dir, the supervisor and the run's rollout
+function; it knows nothing of the run above it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from ..rl.lora import load_version
+from .supervisor import ServerSupervisor
+
+log = logging.getLogger(__name__)
+
+
+def staleness(groups, weights_version: str | None) -> int:
+    """Versions between the adapter that sampled `groups` and the trainer's weights: 0 or 1."""
+    return int(any(t.adapter != weights_version for g in groups for t in g.trajectories))
+
+
+class SampleAhead:
+    """Rollouts of step n+1 on the server while the trainer updates on step n's (module docstring)."""
+
+    def __init__(self, pipeline: bool, trainer, run_dir: Path, supervisor: ServerSupervisor,
+                 rollouts: Callable[[int], Awaitable[tuple]]):
+        self.pipeline = pipeline
+        self.trainer = trainer
+        self.run_dir = run_dir
+        self.supervisor = supervisor
+        self._rollouts = rollouts  # step -> (groups, hit_rate): the run's rollouts of that step
+        self.ahead: tuple | None = None  # (step, groups, hit_rate, rollout_s) sampled during the last update
+        self.ahead_task: asyncio.Task | None = None  # the rollouts being sampled ahead, while a step runs
+        self.row: Mapping = MappingProxyType({})  # this step's pipelining columns of the history row
+
+    async def rollouts(self, step: int):
+        """(groups, hit_rate, rollout_s) of `step`: sampled ahead, or rolled out now."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] == step:
+            groups, hit, rollout_s = ahead[1:]
+        else:
+            groups, hit, rollout_s = await self._timed_rollouts(step)
+        self.row = ({"staleness": staleness(groups, self.supervisor.weights_version), "ahead_wait_s": None}
+                    if self.pipeline else {})
+        return groups, hit, rollout_s
+
+    async def _timed_rollouts(self, step: int):
+        t0 = time.perf_counter()
+        groups, hit = await self.supervisor.with_restarts(self._rollouts, step)
+        return groups, hit, time.perf_counter() - t0
+
+    async def train(self, groups, step: int, update, release: bool):
+        """(metrics, train_s, (release_s, resume_s)): `update(groups)` (the synchronous update, when
+        not pipelining), or the trainer's update overlapped with step+1's rollouts."""
+        if not self.pipeline:
+            return await update(groups)
+        if release:
+            raise ValueError("pipeline=True with release_memory: the server cannot give its memory back while "
+                             "it samples the next step's rollouts. Turn one of them off (run.release = False).")
+        before = self.trainer.step
+        ahead = self.ahead_task = asyncio.ensure_future(self._timed_rollouts(step + 1))
+        trained = False
+        try:
+            t0 = time.perf_counter()
+            metrics = await self._train_in_thread(groups, before)
+            train_s, trained = time.perf_counter() - t0, True
+            t1 = time.perf_counter()
+            try:
+                self.ahead = (step + 1, *await ahead)
+            except (Exception, asyncio.CancelledError) as e:  # the update is done: step+1 rolls out afresh
+                if asyncio.current_task().cancelling():  # this step is cancelled, not just the rollouts (stop())
+                    raise
+                log.warning("rollouts of step %d sampled ahead failed or were cancelled (%r); step %d rolls "
+                            "out afresh", step + 1, e, step + 1)
+            self.row["ahead_wait_s"] = time.perf_counter() - t1
+        except BaseException:
+            await self._cancel_ahead()
+            if trained:  # cancelled while waiting: the update was not saved, so it is undone
+                self._roll_back(before)
+            raise
+        finally:
+            self.ahead_task = None
+        return metrics, train_s, (None, None)
+
+    async def _train_in_thread(self, groups, before: int) -> dict:
+        """trainer.train_step in a worker thread, so the event loop keeps sampling meanwhile."""
+        update = asyncio.ensure_future(asyncio.to_thread(self.trainer.train_step, groups))
+        try:
+            return await asyncio.shield(update)
+        except asyncio.CancelledError:
+            await asyncio.wait([update])  # the thread cannot be stopped: let it finish, then undo it
+            if update.exception() is None:
+                self._roll_back(before)
+            raise
+
+    def _roll_back(self, step: int) -> None:
+        """The trainer back to the saved version `step` (weights, optimizer, step, RNG)."""
+        self.trainer.load_checkpoint(load_version(self.run_dir / "adapters", step).path)
+        log.warning("step %d cancelled during its update; trainer rolled back to step %d", step + 1, step)
+
+    async def _cancel_ahead(self) -> None:
+        """Cancel the rollouts being sampled ahead and wait until they have stopped."""
+        task, self.ahead = self.ahead_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+
+    def cancel_now(self) -> None:
+        """stop()'s part (synchronous): cancel the rollouts sampled ahead; forget held ones."""
+        task, self.ahead = self.ahead_task, None
+        if task is not None and not task.done():
+            task.cancel()

@@ -1,0 +1,414 @@
+"""Start, watch and stop the inference server — SGLang, vLLM or the CPU engine — from the kernel.
+
+What it does: `start_server(ServerConfig(...))` launches the engine with its own environment's
+interpreter (server_env.py) as a subprocess of the notebook kernel, in its own process group, bound
+to 127.0.0.1 on a free port, output to `<run_dir>/<engine>.log`; it polls GET /health (with a
+tqdm bar) while watching the process, and raises with the log tail when start-up fails. A
+re-run cell with the same config gets the same live server back; a changed config replaces it.
+Each server is recorded on disk (procs.py); after a kernel restart, starting the same config
+adopts the dead kernel's live server (its key read from the 0600 record, checked on an
+authenticated route) instead of a cold start, and other orphans of dead kernels are stopped.
+Servers this process started or adopted are stopped at exit.
+
+Security (README "Security"): every server requires a random API key by default
+(`api_key="auto"`, a fresh `secrets.token_urlsafe(32)` per start); `api_key=None` turns it off,
+with a warning. The key goes to the server by environment variable (EngineSpec.api_key_env),
+never on the command line, which every local user can read. Extra flags from
+$ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS are applied here (`with_env_args`), for every caller. `build_command` / `build_env` are pure, so
+the engines' command lines are unit-tested without launching anything.
+
+What it does not: talk the engines' APIs (engines/, via `Server.client()`), including the
+memory release/resume around training in colocated mode (`client.release_memory`, which needs the
+server started with `enable_memory_saver=True`) — those are client calls.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import psutil
+from tqdm.auto import tqdm
+
+from ..files import log_tail
+from .. import engines
+from . import procs
+from ..engines import EngineClient
+from .procs import reap_orphans  # noqa: F401  (public here too)
+from .server_config import (TARGET_MODULES, ModelPathError, ServerConfig, ServerError, ignored_options,
+                            server_url, build_command, build_env, check_model_path, config_hash,
+                            resolve_api_key, with_env_args)
+from .server_env import ServerEnv, child_env, find_server_env
+
+log = logging.getLogger(__name__)
+
+_HINTS = [
+    (("address already in use", "errno 98", "eaddrinuse"),
+     "another process holds the port: leave port=None to get a free one"),
+    (("torch-memory-saver is not installed", "no module named 'torch_memory_saver'"),
+     "enable_memory_saver=True needs the torch_memory_saver package in the server environment "
+     "(offline GPU bundle: .whl-tms, tools/gpu/README.md); or start without it"),
+    (("out of memory", "outofmemoryerror", "not enough memory"),
+     "lower mem_fraction, or free GPU memory (nvidia-smi shows who holds it)"),
+    (("no module named", "modulenotfounderror", "importerror"),
+     "the server environment lacks a package: check find_server_env() and ARTSG_SERVER_PYTHONPATH"),
+    (("unrecognized arguments", "ambiguous option", "invalid choice", "error: argument"),
+     "this engine version rejects a flag: compare extra_args with `python -m <engine> --help`"),
+    (("no cuda gpus are available", "found no nvidia driver", "cuda driver"),
+     "the server sees no GPU: check the GPU plan (CUDA_VISIBLE_DEVICES) and nvidia-smi"),
+]
+
+
+class ServerStartError(ServerError):
+    """The server process exited during start-up (message: exit code, what to try, log tail)."""
+
+
+class ServerNotReady(ServerStartError):
+    """No 200 from /health before the start-up timeout; the process was stopped."""
+
+
+class PortInUseError(ServerStartError):
+    """The requested port is taken (checked before launch, or seen in the log on bind)."""
+
+
+class Server:
+    """One server process: `start()`, `stop()`, `restart()`, `alive()`, `log_tail()`, `client()`.
+
+    A context manager: `with start_server(cfg) as server: ...` stops it on exit.
+    """
+
+    def __init__(self, config: ServerConfig):
+        config = self.config = with_env_args(config)
+        self.proc = None
+        self.port: int | None = config.port
+        self.record: procs.ProcessRecord | None = None
+        self.api_key: str | None = None
+        """The key of the running server (cfg.api_key resolved); the client sends it."""
+        self.server_env: ServerEnv | None = None
+        self.log_path = Path(config.run_dir).resolve() / f"{config.engine}.log"
+        self.config_hash = config_hash(config)
+        self._log_offset = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.record.pid if self.record is not None else None
+
+    @property
+    def adopted(self) -> bool:
+        """Started by a kernel that died, taken over by this one (no Popen handle)."""
+        return self.record is not None and self.proc is None
+
+    @property
+    def url(self) -> str:
+        return server_url(self.config.host, self.port)
+
+    def alive(self) -> bool:
+        """Is the server process running? (Not whether it answers: see client.health.)"""
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.record is not None and self.record.server_alive()
+
+    def stopped(self) -> bool:
+        """Is the process stopped (SIGSTOP: alive, never answering) or unreadable?"""
+        try:
+            return psutil.Process(self.pid).status() == psutil.STATUS_STOPPED
+        except psutil.Error:
+            return True
+
+    def kill(self) -> None:
+        """SIGKILL the process group (works on a stopped process, where SIGTERM would wait for a
+        SIGCONT), then reap it; the restart logic starts a new one."""
+        try:
+            os.killpg(os.getpgid(self.pid), signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        try:
+            if self.proc is not None:
+                self.proc.wait(timeout=30)
+        except Exception as e:  # noqa: BLE001 — the restart logic reaps it anyway
+            log.warning("server pid %s not reaped after SIGKILL: %s", self.pid, e)
+
+    def start(self) -> "Server":
+        """Adopt the dead kernel's server of this config, or launch and wait for /health;
+        returns self. A no-op when already running."""
+        if self.alive():
+            return self
+        self.stop(timeout_s=5)  # after a crash: workers it left behind, its records
+        cfg = self.config
+        if self._adopt():
+            return self
+        if not cfg._command_override:
+            check_model_path(cfg.model_path)
+        reap_orphans()
+        self._check_run_dir_record()
+        self.api_key = resolve_api_key(cfg)
+        for name in ignored_options(cfg):
+            log.warning("%s has no equivalent on engine %r; ignored", name, cfg.engine)
+        self.server_env = (ServerEnv(cfg.python or sys.executable, cfg.engine, "test", {}, "override")
+                           if cfg._command_override else find_server_env(cfg.engine, cfg.python))
+        for attempt in range(3):
+            self.port = self._choose_port()
+            self._launch()
+            try:
+                self._wait_ready()
+                return self
+            except PortInUseError:
+                if cfg.port is not None or attempt == 2:
+                    raise
+                log.info("port %d was taken while starting; retrying on another", self.port)
+                self.port = None
+            except BaseException:  # includes an interrupted cell: never leave a half-started server
+                self.stop(timeout_s=5)
+                raise
+        raise AssertionError("unreachable")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group, wait up to `timeout_s`, SIGKILL it. Safe to call again."""
+        if self.record is None:
+            return
+        how = procs.stop_group(self.record.pgid, timeout_s, proc=self.proc)
+        log.info("%s server pid %d stopped (%s)", self.config.engine, self.record.pid, how)
+        self.record.remove()
+        self.record = None
+        _LIVE.discard(self)
+
+    def restart(self) -> "Server":
+        """Stop and start again with the same config (and the same port when it is free)."""
+        self.stop()
+        return self.start()
+
+    def client(self) -> EngineClient:
+        """An async client for this engine (engines.make_client)."""
+        return engines.make_client(self.config.engine, self.url, self.config.model_path, api_key=self.api_key,
+                                   admin_timeout_s=self.config.admin_timeout_s)
+
+    def log_tail(self, n: int = 20) -> str:
+        """The last `n` lines this start wrote to the log."""
+        return log_tail(self.log_path, n, since=self._log_offset)
+
+    def drop_dead(self) -> bool:
+        """A fleet's way on without its dead workers (serving.inference): one server has none."""
+        return False
+
+    def worker_stats(self) -> dict[str, list]:
+        """A fleet's per-worker columns (serving.inference): one server has none."""
+        return {}
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}, up" if self.alive() else "stopped"
+        return f"<Server {self.config.engine} {self.url} ({state}), log {self.log_path}>"
+
+    # ---- start-up steps ------------------------------------------------------------------
+    def _choose_port(self) -> int:
+        host, port = self.config.host, self.config.port
+        if port is not None:
+            if not procs.port_is_free(host, port):
+                owner = procs.port_owner(port)
+                raise PortInUseError(
+                    f"port {port} on {host} is already in use{f' by {owner}' if owner else ''}. "
+                    "Try: port=None to get a free port, stop the other server, or "
+                    "artsg_nb.serving.server.reap_orphans() if a dead kernel left it running.")
+            return port
+        if self.port is not None and procs.port_is_free(host, self.port):
+            return self.port  # a restart keeps the URL the client knows
+        return procs.pick_free_port(host)
+
+    def _launch(self) -> None:
+        cfg = self.config
+        cmd = build_command(cfg, self.server_env.python, self.port)
+        env = child_env(cfg.engine, build_env(cfg, self.server_env.extra_env, self.api_key))
+        if not self.api_key and cfg.spec.api_key_env:
+            env.pop(cfg.spec.api_key_env, None)  # a key in the kernel's environment would lock us out
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        header = f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: {' '.join(cmd)}\n"
+        self.proc = procs.spawn(cmd, env, self.log_path, header)
+        self.record = procs.ProcessRecord.of_child(
+            self.proc.pid, port=self.port, host=cfg.host, engine=cfg.engine, run_dir=str(self.log_path.parent),
+            log_path=str(self.log_path), config_hash=self.config_hash, command=cmd, api_key=self.api_key)
+        self.record.save()
+        _LIVE.add(self)
+        log.info("started %s (%s %s) pid %d on %s, log %s", cfg.engine, self.server_env.python,
+                 self.server_env.version, self.proc.pid, self.url, self.log_path)
+
+    def _wait_ready(self) -> None:
+        cfg, t0 = self.config, time.monotonic()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        bar = tqdm(total=round(cfg.timeout_s), desc=f"{cfg.engine} starting on {self.url}",
+                   unit="s", leave=True, bar_format="{desc}: {n:.0f}/{total} s")
+        with bar, httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), headers=headers) as http:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    _end_bar(bar, ok=False)
+                    raise self._exit_error(code, time.monotonic() - t0)
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        log.info("%s ready on %s after %.1f s", cfg.engine, self.url, time.monotonic() - t0)
+                        _end_bar(bar, ok=True)
+                        return
+                except httpx.HTTPError:
+                    pass  # not listening yet, or accepted but not answering (vLLM while loading)
+                elapsed = time.monotonic() - t0
+                if elapsed > cfg.timeout_s:
+                    _end_bar(bar, ok=False)
+                    tail = self.log_tail(20)
+                    self.stop()
+                    raise ServerNotReady(
+                        f"no /health on {cfg.host}:{self.port} after {cfg.timeout_s:.0f} s; the "
+                        f"{cfg.engine} process (still running) was stopped. Try: a larger "
+                        f"startup_timeout_s (a first start compiles kernels), or read the log. "
+                        f"Last 20 lines of {self.log_path}:\n{tail}")
+                bar.update(min(round(elapsed), bar.total) - bar.n)
+                time.sleep(0.25)
+
+    def _exit_error(self, code: int, elapsed_s: float) -> ServerStartError:
+        tail = self.log_tail(20)
+        self.stop(timeout_s=5)  # workers it forked may still be alive
+        hint, cls = "read the log, or run the command by hand (first line of the log)", ServerStartError
+        for i, (needles, what) in enumerate(_HINTS):
+            if any(s in tail.lower() for s in needles):
+                hint, cls = what, (PortInUseError if i == 0 else ServerStartError)
+                break
+        return cls(f"{self.config.engine} server exited with code {code} {elapsed_s:.1f} s into "
+                   f"start-up on {self.config.host}:{self.port}. Try: {hint}. "
+                   f"Last 20 lines of {self.log_path}:\n{tail}")
+
+    def _check_run_dir_record(self) -> None:
+        """Refuse to start over a live server of another kernel in the same run_dir; stop one
+        that this process (after a module reload) or a dead one left there."""
+        path = self.log_path.parent / f"{self.config.engine}.server.json"
+        rec = procs.ProcessRecord.load(path)
+        if rec is None or not rec.found_in(path) or not rec.server_alive():
+            return
+        if rec.owner_alive() and rec.owner_pid != os.getpid():
+            raise ServerStartError(
+                f"a {rec.engine} server (pid {rec.pid}, port {rec.port}) already runs for "
+                f"{rec.run_dir}, started by another live process (pid {rec.owner_pid}). "
+                "Try: stop it from there, or use another run_dir.")
+        log.warning("stopping the %s server pid %d left in %s", rec.engine, rec.pid, rec.run_dir)
+        procs.stop_group(rec.pgid)
+        rec.remove()
+
+
+    def _adopt(self) -> bool:
+        """Take over the live server a dead kernel started in this run_dir with this config:
+        its key from the 0600 record must open an authenticated route. Else False (the caller
+        starts a new server; reaping stops the orphan)."""
+        path = self.log_path.parent / f"{self.config.engine}.server.json"
+        rec = procs.ProcessRecord.load(path)
+        if (rec is None or not rec.found_in(path) or rec.config_hash != self.config_hash
+                or rec.owner_alive() or not rec.server_alive()
+                or (self.config.port is not None and rec.port != self.config.port)):
+            return False
+        headers = {"Authorization": f"Bearer {rec.api_key}"} if rec.api_key else {}
+        base = server_url(self.config.host, rec.port)
+        try:
+            with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), headers=headers) as http:
+                ok = (http.get(f"{base}/health").status_code == 200
+                      and http.get(f"{base}{self.config.spec.auth_probe}").status_code == 200)
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            log.warning("not adopting the %s server pid %d on port %d: it does not answer, or its "
+                        "recorded key is refused", rec.engine, rec.pid, rec.port)
+            return False
+        self.port, self.api_key, self.proc = rec.port, rec.api_key, None
+        self.record = replace(rec, owner_pid=os.getpid(), owner_create_time=procs.create_time(os.getpid()) or 0.0)
+        self.record.save()
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        _LIVE.add(self)
+        log.info("adopted the %s server pid %d on %s that a dead kernel (pid %d) started",
+                 rec.engine, rec.pid, self.url, rec.owner_pid)
+        reap_orphans()  # the others of dead kernels; this one's owner is now alive
+        return True
+
+
+_REGISTRY: dict[tuple[str, str], Server] = {}   # (run_dir, engine) → the server start_server gave
+_LIVE: set[Server] = set()                       # started by this process, stopped at exit
+
+
+def start_server(cfg: ServerConfig | None = None, **overrides) -> Server:
+    """Start a server for `cfg`, or return the live one a previous call started with the same
+    config (a re-run cell). A different config for the same run_dir/engine replaces it.
+    Keyword arguments build the config, or replace fields of `cfg`."""
+    cfg = with_env_args(replace(cfg, **overrides) if cfg is not None else ServerConfig(**overrides))
+    key = (str(Path(cfg.run_dir).resolve()), cfg.engine)
+    old = _REGISTRY.get(key)
+    if old is not None and old.alive() and old.config_hash == config_hash(cfg):
+        log.info("reusing %s server pid %d on %s", cfg.engine, old.pid, old.url)
+        return old
+    if old is not None:
+        log.info("config changed for %s; stopping the old %s server", key[0], cfg.engine)
+        old.stop()
+    server = _REGISTRY[key] = Server(cfg)
+    return server.start()
+
+
+def exit_status(server) -> str:
+    """How a server's process ended, for an error message ("was killed by SIGKILL", ...)."""
+    code = server.proc.poll() if server.proc is not None else None
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def start_while(start_server, work):
+    """(server, work's result): `start_server()` (launch, then /health) runs in a thread while
+    `work()` (e.g. loading the trainer) runs here, so start-up costs the longer of the two, not
+    their sum. If `work` fails, the server is stopped once its start returns; if the server fails,
+    work's result is closed (when it has `close`). When both fail the server's error is raised (it
+    checks the model path and shows the log tail)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-server-start") as pool:
+        started = pool.submit(start_server)
+        try:
+            result = work()
+        except BaseException as work_error:
+            server_error = started.exception()
+            if server_error is not None:
+                raise server_error from work_error
+            started.result().stop()
+            raise
+        try:
+            return started.result(), result
+        except BaseException:
+            getattr(result, "close", lambda: None)()  # e.g. a RankedTrainer's rank processes
+            raise
+
+
+def stop_all() -> None:
+    """Stop every server this process started."""
+    for server in list(_LIVE):
+        if server.record is not None and server.record.owner_pid == os.getpid():  # not in a fork
+            server.stop(timeout_s=5)
+
+
+atexit.register(stop_all)
+
+
+def _end_bar(bar, ok: bool) -> None:
+    """End the start-up bar green on success, red on failure: tqdm.notebook paints a bar closed
+    short of its total red, one at its total green (the text bar just says what happened)."""
+    elapsed = round(bar.n)
+    if ok:
+        bar.bar_format = "{desc}: ready after {n:.0f} s"
+        bar.total = max(elapsed, 1)
+        bar.update(bar.total - bar.n)
+    else:
+        bar.bar_format = "{desc}: failed after {n:.0f} s"
+        bar.total = elapsed + 1

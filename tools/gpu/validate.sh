@@ -10,7 +10,8 @@
 #               shipped tiny model (CI's weights), the quickstart notebook unchanged (10 steps, >= 3
 #               reloads with unloads), 5 steps of each schedule on one server, the GPU-marked tests;
 #               one PASS/FAIL line each, $OUT/<date>-h200-smoke.json. Carry [".gpu-bundle", ".whl-kernel"].
-#               ~9.5 min on a fresh host (every SGLang start 55-120 s): give the call timeout_s=600.
+#               The tests part runs beside the other two (from 75 s in): ~6.5 min on a fresh host (every
+#               SGLang start 55-120 s); give the call timeout_s=600.
 #   nshapes     tools/gpu/n_shapes.py: balanced n vs native n vs prefix/naive under an adapter on one
 #               server, then the unload after native n (shows sglang#36894), $OUT/n_shapes.json
 #   models      tiny (CI's, pretrained) and 0.5b (Qwen2.5-0.5B's shape) via python -m artsg_nb.tiny_model

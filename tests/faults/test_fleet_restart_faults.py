@@ -1,7 +1,7 @@
 """A notebook re-run after a kernel restart, when the run has two servers behind sglang-router.
 
 The old kernel (a real subprocess running a GRPORun with num_servers=2 on the CPU engine, with a
-scripted reward) completes step 1, so both workers hold policy-step-1, and is SIGKILLed: its two
+scripted reward; real SGLang with ARTSG_TEST_ENGINES=sglang) completes step 1, so both workers hold policy-step-1, and is SIGKILLed: its two
 workers and its router live on. A new kernel re-runs the cells (start, step) with resume=True. It
 adopts both workers — the same pids, no cold start, their API key — starts a new router over
 them, stops the dead kernel's router, and its step completes and is served by both workers.
@@ -31,8 +31,8 @@ TESTS = str(Path(__file__).resolve().parents[1])
 KERNEL = r'''
 import asyncio, json, sys, time
 from artsg_nb.session import GRPORun, RunConfig
-model_dir, run_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-cfg = RunConfig(task="scripted_tasks:SCRIPTED", engine="cpu", model_path=model_dir, run_dir=run_dir, group_size=2,
+model_dir, run_dir, mode, engine = sys.argv[1:5]
+cfg = RunConfig(task="scripted_tasks:SCRIPTED", engine=engine, model_path=model_dir, run_dir=run_dir, group_size=2,
                 groups_per_step=4, num_servers=2, lora_rank=4, lora_alpha=8, seed=3, resume=mode == "rerun", verbose=False)
 run = GRPORun(cfg).start()
 fleet = run.server
@@ -55,9 +55,9 @@ def kernel(*args: str) -> subprocess.Popen:
                             text=True, env=env)
 
 
-def test_rerun_after_kernel_restart_adopts_both_workers_of_a_fleet(tmp_path, tiny_model_dir):
+def test_rerun_after_kernel_restart_adopts_both_workers_of_a_fleet(tmp_path, tiny_model_dir, fault_engine):
     run_dir = str(tmp_path / "run")
-    old = kernel(str(tiny_model_dir), run_dir, "die")
+    old = kernel(str(tiny_model_dir), run_dir, "die", fault_engine)
     line = old.stdout.readline().strip()
     if not line.startswith("{"):
         old.kill()
@@ -71,7 +71,7 @@ def test_rerun_after_kernel_restart_adopts_both_workers_of_a_fleet(tmp_path, tin
     old.stdout.close()
     old.stderr.close()
 
-    new = kernel(str(tiny_model_dir), run_dir, "rerun")
+    new = kernel(str(tiny_model_dir), run_dir, "rerun", fault_engine)
     out, err = new.communicate(timeout=300)
     assert new.returncode == 0, err[-4000:]
     after = json.loads(out.strip().splitlines()[-1])

@@ -33,6 +33,11 @@ def _choice(tokenizer, ids, content=None, logprob=-0.5, **extra):
         **extra})
 
 
+def _meta(ids, logprob=-0.5):
+    """SGLang's meta_info of a chat choice asked with return_meta_info and logprobs."""
+    return {"id": "x", "output_token_logprobs": [[logprob, i, None] for i in ids]}
+
+
 def test_a_single_turn_trajectory_is_the_prompt_then_the_servers_tokens(tiny_tokenizer):
     tok = tiny_tokenizer
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -51,8 +56,8 @@ def test_server_token_ids_are_used_as_sent_and_multi_turn_keeps_env_messages(tin
     end = tok.convert_tokens_to_ids("<|im_end|>")
     first, second = [100, 200, end], [300, 301]  # ids the text lookup could not give: the server's are used
     messages = [{"role": "user", "content": "hi"}]
-    c1 = _choice(tok, first, "x", response_token_ids=first, prompt_token_ids=[1, 2, 3])
-    c2 = _choice(tok, second, "y", response_token_ids=second)
+    c1 = _choice(tok, first, "x", meta_info=_meta(first), prompt_token_ids=[1, 2, 3])  # SGLang's fields
+    c2 = _choice(tok, second, "y", token_ids=second)  # vLLM's
     traj = art.Trajectory(messages_and_choices=[*messages, c1, {"role": "user", "content": "again"}, c2,
                                                 {"role": "user", "content": "ignored: after the last reply"}],
                           reward=0.5)
@@ -86,7 +91,7 @@ def test_a_token_string_several_tokens_decode_to_needs_the_ids_or_the_resolver(t
     same = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"]
     assert len(same) > 1, "the tiny tokenizer has byte tokens that decode to U+FFFD alone"
     traj = art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}, _choice(tok, [same[1]])])
-    with pytest.raises(UnsupportedTrajectory, match="return_token_ids"):
+    with pytest.raises(UnsupportedTrajectory, match="return_meta_info"):
         to_trajectory(traj, tok, None)
     [group] = to_groups([art.TrajectoryGroup([traj, traj])], tok, None)  # left out, as failed rollouts are
     assert [t.error.startswith("AmbiguousTokens") for t in group.trajectories] == [True, True]
@@ -102,6 +107,32 @@ def test_register_refuses_an_untested_art_version(monkeypatch, tmp_path):
     model = art.TrainableModel(name="m", project="p", base_model="unused")
     with pytest.raises(ArtVersionError, match=r"openpipe-art 0.4.0 .* tested with 0.5.18.*pip install openpipe-art==0.5.18"):
         asyncio.run(model.register(SGLangBackend(path=str(tmp_path))))
+
+
+def test_the_managed_client_asks_for_token_ids_only_where_the_server_accepts_them():
+    """SGLang refuses return_meta_info / return_prompt_token_ids on a streamed request, and a
+    request without logprobs trains nothing: only a plain one with logprobs asks for ids."""
+    from artsg_nb.art.backend import _AskingForTokenIds
+    from artsg_nb.engines.sglang import SPEC
+
+    sent = []
+
+    class Completions:
+        async def create(self, **kwargs):
+            sent.append(kwargs.get("extra_body"))
+
+    class Client:
+        chat = type("Chat", (), {"completions": Completions(), "other": 1})()
+
+        def with_options(self, **kwargs):
+            return self
+
+    client = _AskingForTokenIds(Client(), SPEC.chat_token_ids)
+    for kwargs in ({"logprobs": True}, {"logprobs": True, "stream": True}, {},
+                   {"logprobs": True, "extra_body": {"top_k": 5}}):
+        asyncio.run(client.with_options(timeout=1).chat.completions.create(model="m", messages=[], **kwargs))
+    ids = {"return_meta_info": True, "return_prompt_token_ids": True}
+    assert sent == [ids, None, None, {**ids, "top_k": 5}] and client.chat.other == 1
 
 
 TASK = get_task("addition")  # the tiny model's pretraining leaves a habit GRPO removes in a few steps
@@ -152,7 +183,7 @@ def test_sglang_backend_trains_an_art_model_and_serves_the_trained_adapter(tiny_
             completion = await model.openai_client().chat.completions.create(
                 model=model.get_inference_name(), messages=messages, max_tokens=TASK.max_new_tokens, logprobs=True)
             choice = completion.choices[0]
-            ids = choice.model_extra["response_token_ids"]
+            ids = [t[1] for t in choice.model_extra["meta_info"]["output_token_logprobs"]]
             ours = to_trajectory(art.Trajectory(messages_and_choices=[*messages, choice]), backend.run(model).trainer.tokenizer, None)
             assert ours.token_ids == choice.model_extra["prompt_token_ids"] + ids
             return rewards, results

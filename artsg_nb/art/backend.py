@@ -11,9 +11,11 @@ exists is resumed (its config must match: run_config.check_resumable), so
 Inference: `model.inference_base_url` is the server's OpenAI route (`<url>/v1`), and
 `model.get_inference_name()` is `"<served model>:policy-step-N"`, the form in which SGLang's
 OpenAI routes select an adapter (a bare name would fall back to the base model), always the
-adapter published last. `model.openai_client()` also asks the server for token ids
-(`return_token_ids`), so training never reconstructs them; a plain `AsyncOpenAI(base_url=...)`
-works too (convert.py looks the tokens up).
+adapter published last. `model.openai_client()` also asks the server for its token ids on
+every request with logprobs that is not streamed (the engine's `chat_token_ids`: SGLang's
+`return_meta_info` and `return_prompt_token_ids`), so training never reconstructs them; a plain
+`AsyncOpenAI(base_url=...)` works too (convert.py looks the tokens up; a byte-level token that
+several ids decode to is resolved under the trainer's weights, or the trajectory is left out).
 
 `await backend.train(model, groups, learning_rate=...)` converts the groups (convert.py), runs
 one GRPO step through `GRPORun.train_on` — the update (grpo.py's loss, checked against TRL),
@@ -52,6 +54,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Iterable
 
+from .. import engines
 from ..run.retention import version_steps
 from ..run.config import CONFIG_FILE, RunConfig
 from ..run.session import GRPORun
@@ -159,7 +162,7 @@ class SGLangBackend:
                                       "not from register(_openai_client_config=...)")
         run = self.run(model)
         base_url, api_key = f"{run.client.base_url}/v1", getattr(run.server, "api_key", None) or "none"
-        _install_openai_client(model, base_url, api_key)
+        _install_openai_client(model, base_url, api_key, engines.get(run.client.engine).chat_token_ids)
         return base_url, api_key
 
     def _model_inference_name(self, model, step: int | None = None) -> str:
@@ -288,16 +291,18 @@ def _logprob_resolver(trainer):
             raise AmbiguousTokens(
                 f"{where}: the server sent no token ids and {len(candidates)} tokens decode to this token's string; "
                 f"{len(close)} of them have its logprob {logprob:.4f} under the trainer (was the rollout sampled at "
-                f"another temperature than {trainer.cfg.grpo.temperature}?). Send extra_body={{'return_token_ids': "
-                "True} with the request, or use model.openai_client(), which does.")
+                f"another temperature than {trainer.cfg.grpo.temperature}?). Use model.openai_client(), which asks the "
+                "server for its token ids (SGLang: extra_body={'return_meta_info': True, 'return_prompt_token_ids': "
+                "True}, not with stream=True).")
         return close[0]
 
     return resolve
 
 
-def _install_openai_client(model, base_url: str, api_key: str) -> None:
-    """model.openai_client() as ART builds it, plus `return_token_ids` on every chat request, so
-    the server's token ids come back with the logprobs (convert.py prefers them)."""
+def _install_openai_client(model, base_url: str, api_key: str, token_ids_body: dict) -> None:
+    """model.openai_client() as ART builds it, its chat requests asking for the server's token ids
+    (`token_ids_body`, the engine's chat_token_ids) so they come back with the logprobs
+    (convert.py prefers them)."""
     try:
         from art.model import _OpenAIClientProxy
     except ImportError:  # ART's private helper moved: model.openai_client() works, without the ids
@@ -307,5 +312,44 @@ def _install_openai_client(model, base_url: str, api_key: str) -> None:
 
     raw = AsyncOpenAI(base_url=base_url, api_key=api_key,
                       http_client=DefaultAsyncHttpxClient(timeout=httpx.Timeout(timeout=1200, connect=5.0)))
-    extra = {**(model._default_chat_completion_extra_body() or {}), "return_token_ids": True}
-    object.__setattr__(model, "_openai_client", _OpenAIClientProxy(raw, model._record_openai_completion_costs, extra))
+    proxy = _OpenAIClientProxy(_AskingForTokenIds(raw, token_ids_body), model._record_openai_completion_costs,
+                               model._default_chat_completion_extra_body())
+    object.__setattr__(model, "_openai_client", proxy)
+
+
+class _AskingForTokenIds:
+    """An AsyncOpenAI client whose chat completions with logprobs, not streamed, carry `body` in
+    their extra_body (SGLang refuses its token-id fields on a streamed request; without logprobs
+    nothing is trained on). Everything else is the client's own."""
+
+    def __init__(self, client, body: dict):
+        self._client, self._body = client, dict(body)
+        self.chat = _Delegate(client.chat, completions=_CompletionsAskingForTokenIds(client.chat.completions, self._body))
+
+    def with_options(self, *args, **kwargs) -> "_AskingForTokenIds":
+        return _AskingForTokenIds(self._client.with_options(*args, **kwargs), self._body)
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+class _Delegate:
+    """`target` with some attributes replaced."""
+
+    def __init__(self, target, **replaced):
+        self._target = target
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name: str):
+        return getattr(self._target, name)
+
+
+class _CompletionsAskingForTokenIds(_Delegate):
+    def __init__(self, completions, body: dict):
+        super().__init__(completions)
+        self._body = body
+
+    async def create(self, *args, **kwargs):
+        if kwargs.get("logprobs") and not kwargs.get("stream"):
+            kwargs["extra_body"] = {**self._body, **(kwargs.get("extra_body") or {})}
+        return await self._target.create(*args, **kwargs)

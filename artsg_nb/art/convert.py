@@ -6,9 +6,10 @@ into a `rollout.Trajectory` (token ids, completion mask, server logprobs, reward
 takes as is:
 
 - The model's tokens are the server's, never re-tokenised text. A choice's token ids come, in
-  order of preference, from SGLang's `response_token_ids` (the request sent
-  `return_token_ids: true`, which `model.openai_client()` does for you under SGLangBackend),
-  from vLLM-style `token_id:<n>` strings, or from the logprob entries' token strings, each
+  order of preference, from SGLang's `meta_info.output_token_logprobs` (the request sent
+  `return_meta_info: true`, which `model.openai_client()` does for you under SGLangBackend),
+  from vLLM's `token_ids` (`return_token_ids: true`), from `token_id:<n>` strings, or from the
+  logprob entries' token strings, each
   looked up in the vocabulary: exact where one token decodes to that string. A string several
   tokens decode to ("�": a byte of a character split over tokens) is resolved by `resolve`
   (the backend's: which of those tokens has the logprob the server reported, under the
@@ -126,12 +127,12 @@ def choice_tokens(choice: Any, tokenizer, where: str = "reply") -> tuple[list, l
     a tuple of candidate ids stands where the token string alone does not say which it is."""
     content = list(choice.logprobs.content)
     logprobs = [float(c.logprob) for c in content]
-    ids = _extra(choice, "response_token_ids")
+    ids = _server_ids(choice)
     if ids is not None:
         if len(ids) != len(content):
-            raise UnsupportedTrajectory(f"{where}: {len(ids)} response_token_ids but logprobs for {len(content)} "
-                                        "tokens; cannot align them")
-        return [int(i) for i in ids], logprobs
+            raise UnsupportedTrajectory(f"{where}: the server sent {len(ids)} token ids but logprobs for "
+                                        f"{len(content)} tokens; cannot align them")
+        return ids, logprobs
     try:
         return [int(c.token.split("token_id:", 1)[1]) for c in content], logprobs
     except (IndexError, ValueError, AttributeError):
@@ -145,8 +146,9 @@ def choice_tokens(choice: Any, tokenizer, where: str = "reply") -> tuple[list, l
     return out, logprobs
 
 
-_IDS_HINT = ("send extra_body={'return_token_ids': True} with the request, or use model.openai_client(), "
-             "which does")
+_IDS_HINT = ("use model.openai_client(), which asks the server for its token ids, or send them yourself: "
+             "extra_body={'return_meta_info': True, 'return_prompt_token_ids': True} on SGLang "
+             "(not with stream=True), {'return_token_ids': True} on vLLM")
 _AMBIGUOUS = f"the server sent no token ids and several tokens decode to this token's string; {_IDS_HINT}"
 
 
@@ -162,6 +164,17 @@ def _check_choice(choice: Any, where: str) -> None:
 
 def _is_choice(x: Any) -> bool:
     return not isinstance(x, dict) and hasattr(x, "message") and hasattr(x, "finish_reason")
+
+
+def _server_ids(choice: Any) -> list[int] | None:
+    """The reply's ids as the server sent them: SGLang's [logprob, id, text] triples in
+    meta_info.output_token_logprobs, else vLLM's token_ids; None when it sent neither."""
+    meta = _extra(choice, "meta_info") or {}
+    triples = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+    if triples:
+        return [int(t[1]) for t in triples]
+    ids = _extra(choice, "token_ids")
+    return [int(i) for i in ids] if ids is not None else None
 
 
 def _extra(choice: Any, key: str):

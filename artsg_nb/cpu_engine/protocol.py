@@ -4,7 +4,8 @@ What it does: turns a /generate or /v1/chat/completions body into scheduler `Req
 prompt and sample) and finished `Request`s back into SGLang 0.5.x response objects, key for key
 with the responses recorded from a real server (shared/fixtures/sglang-0.5.14/): /generate's
 {text, output_ids, meta_info}, SSE chunks, and the OpenAI chat completion with SGLang's
-extensions (matched_stop, response_token_ids, prompt_token_ids, meta_info).
+extensions (matched_stop, prompt_token_ids with return_prompt_token_ids, meta_info with
+return_meta_info: its output_token_logprobs carry the ids when logprobs were asked for).
 
 What it deliberately does not do: talk HTTP or touch the scheduler (routes.py does);
 chat streaming, tools, reasoning parsers, multimodal input, /v1/completions.
@@ -268,8 +269,7 @@ def _chat_choice(index: int, req: Request, body: dict, runner: ModelRunner) -> d
         "finish_reason": reason.get("type"),
         "matched_stop": reason.get("matched") if reason.get("type") == "stop" else None,
     }
-    if body.get("return_token_ids"):
-        choice["response_token_ids"] = list(req.output_ids)
+    if body.get("return_prompt_token_ids"):
         choice["prompt_token_ids"] = list(req.input_ids)
     if body.get("return_meta_info"):
         choice["meta_info"] = generate_response(req, runner, with_text=True)["meta_info"]

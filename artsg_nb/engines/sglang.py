@@ -363,8 +363,12 @@ def validate(cfg) -> None:
                          "must stay ≤ 65535; use a port ≤ 55535 (or None for a free one)")
 
 
+CHAT_TOKEN_IDS = {"return_meta_info": True, "return_prompt_token_ids": True}
+"""What a chat completion asks for to get its ids back (protocol.py's ChatCompletionRequest)."""
+
 SPEC = EngineSpec(
     name="sglang", client_class=SGLangClient, entry="sglang.launch_server", package="sglang",
+    chat_token_ids=CHAT_TOKEN_IDS,
     launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER, lora_n_problem=lora_n_problem,
     auth_probe="/model_info", tp_flag="--tp-size",
     python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",

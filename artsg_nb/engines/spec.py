@@ -68,6 +68,11 @@ class EngineSpec:
     progress_counters: tuple[str, ...] = ()
     """Counter sample names that grow with every scheduler round while the engine works (summed):
     the watchdog's sign that requests in flight make progress."""
+    chat_token_ids: Mapping[str, Any] = field(default_factory=dict)
+    """Chat-completion request fields that make each choice carry the server's own token ids (an
+    OpenAI client's `extra_body`; art.convert reads them back). SGLang 0.5.14: `return_meta_info`
+    (`meta_info.output_token_logprobs` as [logprob, id, text] when logprobs are asked for) and
+    `return_prompt_token_ids`; both refused on streamed requests. vLLM: `return_token_ids`."""
     lora_n_problem: Callable[[dict], str | None] = lambda info: None
     """(the server's /server_info) → why native `n > 1` sampling under a LoRA adapter is unsafe on
     that server, or None. SGLang up to at least 0.5.14 miscounts the adapter's references for such a

@@ -260,7 +260,7 @@ def validate(cfg) -> None:
 SPEC = EngineSpec(
     name="vllm", client_class=VLLMClient, entry="vllm.entrypoints.openai.api_server", package="vllm",
     launch_args=launch_args, validate=validate, ignored_options=("schedule_policy",),
-    tp_flag="--tensor-parallel-size",
+    tp_flag="--tensor-parallel-size", chat_token_ids={"return_token_ids": True},
     # vLLM reads its key from VLLM_API_KEY when --api-key is absent (vllm/envs.py; the app's
     # AuthenticationMiddleware in api_server.py), so it never goes on the command line. vLLM
     # guards only the routes of its OpenAI API (/v1/...): the dev routes (/sleep, /wake_up,

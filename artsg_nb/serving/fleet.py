@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .. import engines
+from . import procs
 from ..engines import AdapterExistsError
 from .metrics import CacheCounters, cache_counters, hit_rate, progress_tokens
 from .router import Router, start_router
@@ -70,6 +71,9 @@ class Fleet:
         if not configs:
             raise ValueError("a fleet needs at least one server config")
         self.servers = [Server(c) for c in configs]
+        self.api_key: str | None = None
+        """The key the router and every worker take (one "auto" key drawn per fleet, or the
+        adopted workers' own after a kernel restart)."""
         self.run_dir = Path(run_dir)
         self.policy = policy
         self.router_timeout_s = router_timeout_s
@@ -129,9 +133,13 @@ class Fleet:
             self.router.kill()
 
     def start(self) -> "Fleet":
-        try:  # in parallel: each start waits for its own /health (a GPU server: minutes)
-            with ThreadPoolExecutor(len(self.servers)) as pool:
-                for future in [pool.submit(s.start) for s in self.servers]:
+        """Adopt the workers a dead kernel left running (after a kernel restart: no cold
+        start), launch the others with the same key, then start a router in front of them."""
+        try:
+            self._adopt_workers()
+            procs.reap_orphans()  # the dead kernels' other servers and router, now that ours are owned
+            with ThreadPoolExecutor(len(self.servers)) as pool:  # each waits for its /health: minutes on a GPU
+                for future in [pool.submit(s.start, reap=False) for s in self.servers]:
                     future.result()
             self._start_router()
         except BaseException:
@@ -177,7 +185,7 @@ class Fleet:
         if self.router is None and len(self.servers) == 1 and not self.dropped:
             return self.servers[0].client()
         cfg = self.config
-        front = engines.make_client(cfg.engine, self.url, cfg.model_path, api_key=cfg.api_key,
+        front = engines.make_client(cfg.engine, self.url, cfg.model_path, api_key=self.api_key,
                                     admin_timeout_s=cfg.admin_timeout_s)
         workers = [s.client() for s in self.servers]
         front.info_source = workers[0]  # which engine serves the router's requests (sglang.lora_n_problem)
@@ -217,10 +225,25 @@ class Fleet:
         return {"worker_hit_rates": rates, "worker_prompt_tokens": tokens}
 
     # ---- internals ------------------------------------------------------------------------------
+    def _adopt_workers(self) -> None:
+        """One by one (adopting one would reap the others as orphans), the workers whose dead
+        kernel's server is still up; they fix the fleet's key, which every launch then takes.
+        An adopted worker holding another key than the first is stopped and launched again."""
+        adopted = [s for s in self.servers if s.adopt(reap=False)]
+        self.api_key = adopted[0].api_key if adopted else resolve_api_key(self.config)
+        for s in adopted:
+            if s.api_key != self.api_key:
+                log.warning("worker %s holds another API key than the fleet's; starting it again", s.url)
+                s.stop(timeout_s=5)
+        for s in self.servers:
+            s.launch_key = self.api_key
+        if adopted:
+            log.info("adopted %d of %d workers a dead kernel left running", len(adopted), len(self.servers))
+
     def _start_router(self) -> None:
         if len(self.servers) > 1 or self.dropped:
             self.router = start_router([s.url for s in self.servers], self.run_dir, self.policy,
-                                       api_key=self.config.api_key, startup_timeout_s=self.router_timeout_s)
+                                       api_key=self.api_key, startup_timeout_s=self.router_timeout_s)
 
     def _drop(self, server: Server) -> None:
         server.stop(timeout_s=5)
@@ -312,10 +335,10 @@ def start_fleet(configs: Sequence[ServerConfig], run_dir: str | Path, policy: st
 def fleet_configs(base: ServerConfig, plan) -> list[ServerConfig]:
     """One config per server of a gpus.GpuPlan: `base` with its own run_dir (`servers/<i>` under
     base's: logs and pid records are per run_dir and engine), its GPUs and memory fraction, and
-    the tensor-parallel flag when the plan gives a server several GPUs. All share one API key (an
-    "auto" key is drawn once here): the router forwards the client's key to whichever worker it
-    picks, and a worker is adopted by it."""
-    base = replace(base, api_key=resolve_api_key(base))
+    the tensor-parallel flag when the plan gives a server several GPUs. Their `api_key` stays as
+    given ("auto" too, so a kernel restart finds the same configs and adopts the workers): the
+    Fleet draws one key and every worker takes it, since the router forwards the client's key to
+    whichever worker it picks."""
     configs = []
     for i in range(plan.num_servers):
         extra, tp_flag = base.extra_args, engines.get(base.engine).tp_flag

@@ -85,13 +85,16 @@ class Server:
     A context manager: `with start_server(cfg) as server: ...` stops it on exit.
     """
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, api_key: str | None = None):
         config = self.config = with_env_args(config)
         self.proc = None
         self.port: int | None = config.port
         self.record: procs.ProcessRecord | None = None
         self.api_key: str | None = None
         """The key of the running server (cfg.api_key resolved); the client sends it."""
+        self.launch_key = api_key
+        """The key every launch of this server uses instead of cfg.api_key's (the workers of a
+        fleet share the router's); only a server started with it is adopted. None: cfg's."""
         self.server_env: ServerEnv | None = None
         self.log_path = Path(config.run_dir).resolve() / f"{config.engine}.log"
         self.config_hash = config_hash(config)
@@ -136,20 +139,22 @@ class Server:
         except Exception as e:  # noqa: BLE001 — the restart logic reaps it anyway
             log.warning("server pid %s not reaped after SIGKILL: %s", self.pid, e)
 
-    def start(self) -> "Server":
+    def start(self, reap: bool = True) -> "Server":
         """Adopt the dead kernel's server of this config, or launch and wait for /health;
-        returns self. A no-op when already running."""
+        returns self. A no-op when already running. `reap=False`: the caller stops the servers
+        of dead kernels itself (a fleet, once each worker had its chance to be adopted)."""
         if self.alive():
             return self
         self.stop(timeout_s=5)  # after a crash: workers it left behind, its records
         cfg = self.config
-        if self._adopt():
+        if self.adopt(reap=reap):
             return self
         if not cfg._command_override:
             check_model_path(cfg.model_path)
-        reap_orphans()
+        if reap:
+            reap_orphans()
         self._check_run_dir_record()
-        self.api_key = resolve_api_key(cfg)
+        self.api_key = self.launch_key or resolve_api_key(cfg)
         for name in ignored_options(cfg):
             log.warning("%s has no equivalent on engine %r; ignored", name, cfg.engine)
         self.server_env = (ServerEnv(cfg.python or sys.executable, cfg.engine, "test", {}, "override")
@@ -304,15 +309,17 @@ class Server:
         rec.remove()
 
 
-    def _adopt(self) -> bool:
-        """Take over the live server a dead kernel started in this run_dir with this config:
-        its key from the 0600 record must open an authenticated route. Else False (the caller
-        starts a new server; reaping stops the orphan)."""
+    def adopt(self, reap: bool = True) -> bool:
+        """Take over the live server a dead kernel started in this run_dir with this config
+        (and `launch_key`, when set): its key from the 0600 record must open an authenticated
+        route. Else False (the caller starts a new server; reaping stops the orphan). `reap`:
+        stop the other dead kernels' servers once adopted."""
         path = self.log_path.parent / f"{self.config.engine}.server.json"
         rec = procs.ProcessRecord.load(path)
         if (rec is None or not rec.found_in(path) or rec.config_hash != self.config_hash
                 or rec.owner_alive() or not rec.server_alive()
-                or (self.config.port is not None and rec.port != self.config.port)):
+                or (self.config.port is not None and rec.port != self.config.port)
+                or (self.launch_key is not None and rec.api_key != self.launch_key)):
             return False
         headers = {"Authorization": f"Bearer {rec.api_key}"} if rec.api_key else {}
         base = server_url(self.config.host, rec.port)
@@ -333,7 +340,8 @@ class Server:
         _LIVE.add(self)
         log.info("adopted the %s server pid %d on %s that a dead kernel (pid %d) started",
                  rec.engine, rec.pid, self.url, rec.owner_pid)
-        reap_orphans()  # the others of dead kernels; this one's owner is now alive
+        if reap:
+            reap_orphans()  # the others of dead kernels; this one's owner is now alive
         return True
 
 

@@ -403,16 +403,28 @@ def test_chat_matches_sglang_shape_and_selects_adapters(http, cpu_engine_model_d
 
 
 def test_chat_token_ids_usage_and_cache_report(http, cpu_engine_model_dir):
+    """SGLang 0.5.14's chat route gives ids back only through return_prompt_token_ids (the
+    choice's prompt_token_ids) and return_meta_info (meta_info.output_token_logprobs, [logprob,
+    id, text] triples when logprobs are asked for); `return_token_ids` is vLLM's and SGLang
+    ignores it, so the CPU engine must too (ART trajectories relied on it: sglang gave no ids)."""
     served = str(cpu_engine_model_dir)
     flush(http)
-    first = chat(http, served, return_token_ids=True)
+    ask = {"return_prompt_token_ids": True, "return_meta_info": True, "logprobs": True}
+    first = chat(http, served, **ask)
     assert first["usage"]["prompt_tokens_details"] is None  # SGLang: only when something hit
-    again = chat(http, served, return_token_ids=True, n=2)
+    again = chat(http, served, n=2, **ask)
     choice = again["choices"][0]
+
+    def reply_ids(c):
+        return [t[1] for t in c["meta_info"]["output_token_logprobs"]]
+
     assert len(choice["prompt_token_ids"]) == again["usage"]["prompt_tokens"]
-    assert choice["response_token_ids"] == first["choices"][0]["response_token_ids"]
+    assert reply_ids(choice) == reply_ids(first["choices"][0])
+    assert [t[0] for t in choice["meta_info"]["output_token_logprobs"]] == [e["logprob"] for e in choice["logprobs"]["content"]]
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": again["usage"]["prompt_tokens"] - 1}
-    assert again["usage"]["completion_tokens"] == sum(len(c["response_token_ids"]) for c in again["choices"])
+    assert again["usage"]["completion_tokens"] == sum(len(reply_ids(c)) for c in again["choices"])
+    vllm_style = chat(http, served, return_token_ids=True, logprobs=True)["choices"][0]
+    assert not {"response_token_ids", "token_ids", "prompt_token_ids", "meta_info"} & set(vllm_style)
     r = http.post("/v1/chat/completions", json={"model": served, "messages": MESSAGES, "lora_path": "nope"})
     assert r.status_code == 400 and r.json()["object"] == "error"
 

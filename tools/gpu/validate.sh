@@ -10,7 +10,8 @@
 #               shipped tiny model (CI's weights), the quickstart notebook unchanged (10 steps, >= 3
 #               reloads with unloads), 5 steps of each schedule on one server, the GPU-marked tests;
 #               one PASS/FAIL line each, $OUT/<date>-h200-smoke.json. Carry [".gpu-bundle", ".whl-kernel"].
-#               ~9.5 min on a fresh host (every SGLang start 55-120 s): give the call timeout_s=600.
+#               The tests part runs beside the other two (from 75 s in): ~6.5 min on a fresh host (every
+#               SGLang start 55-120 s); give the call timeout_s=600.
 #   nshapes     tools/gpu/n_shapes.py: balanced n vs native n vs prefix/naive under an adapter on one
 #               server, then the unload after native n (shows sglang#36894), $OUT/n_shapes.json
 #   models      tiny (CI's, pretrained) and 0.5b (Qwen2.5-0.5B's shape) via python -m artsg_nb.models tiny
@@ -45,7 +46,10 @@
 #   art-smol    notebooks/05 (an ART rollout function trained through artsg_nb.art.SGLangBackend) on
 #               SmolLM2, via papermill (needs the art and art-polars sets)
 #   pipeline    30 steps synchronous vs RunConfig(pipeline=True) on SGLang, SmolLM2 (PIPE_STEPS)
-#   faults-sglang  the loop/security fault tests against real SGLang (ARTSG_TEST_ENGINES=sglang)
+#   faults-sglang  the engine-parametrised fault tests (security, loop, fleet restart) against real SGLang
+#               (ARTSG_TEST_ENGINES=sglang; FAULTS_FILES, FAULTS_K override); needs .whl-router for the fleet
+#   art-tiny    notebooks/05 on the shipped tiny model and SGLang: counts trajectories left out for token
+#               ids the server did not send (needs the art, art-polars, web and kernel sets)
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 99
 source /tmp/artsg-env.sh || { echo "run tools/gpu/install.sh first"; exit 99; }
@@ -100,9 +104,14 @@ for p in "$@"; do
     pipeline)    phase pipeline 560 bash -c "python3 -m artsg_nb.train --engine sglang --model-path $SMOL --steps ${PIPE_STEPS:-30} \
                    --group-size 8 --groups-per-step 16 --run-dir /tmp/runs/sync && python3 -m artsg_nb.train --engine sglang \
                    --model-path $SMOL --steps ${PIPE_STEPS:-30} --group-size 8 --groups-per-step 16 --pipeline --run-dir /tmp/runs/pipe" ;;
-    faults-sglang) phase faults-sglang 560 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q \
-                   -m faults ${FAULTS_K:+-k "$FAULTS_K"} tests/faults
-                 grep -E '^faults:|passed|failed' "$OUT/faults-sglang.log" | tail -3 | sed 's/^/    /' ;;
+    faults-sglang) phase faults-sglang 560 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$PWD/artsg_nb/models/shipped/tiny-s0-p800 \
+                   python3 -m pytest -p no:cacheprovider -q -rA -m faults ${FAULTS_K:+-k "$FAULTS_K"} \
+                   ${FAULTS_FILES:-tests/faults/test_security_faults.py tests/faults/test_loop_faults.py tests/faults/test_fleet_restart_faults.py}
+                 grep -E '^faults:|passed|failed|^(PASSED|FAILED|ERROR) ' "$OUT/faults-sglang.log" | tail -30 | cut -c1-200 | sed 's/^/    /' ;;
+    art-tiny)    phase art-tiny 400 env ARTSG_TINY_MODEL=$PWD/artsg_nb/models/shipped/tiny-s0-p800 python3 -m papermill \
+                   notebooks/05_art_drop_in.ipynb "$OUT/05_art_tiny.ipynb" -p RUN_DIR /tmp/runs/art-tiny --cwd notebooks --log-output
+                 echo "    trajectories left out for unknown token ids: $(grep -c 'left out: their token ids' "$OUT/art-tiny.log")"
+                 grep -E 'reward:' "$OUT/art-tiny.log" | tail -1 | cut -c1-300 | sed 's/^/    /' ;;
     tests)       phase tests 400 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$TINY python3 -m pytest -p no:cacheprovider -q -m "gpu or sglang" tests ;;
     train)       phase train 400 python3 -m artsg_nb.train --engine sglang --model-path $TINY --steps ${TRAIN_STEPS:-5} --run-dir /tmp/runs/train-sglang ;;
     notebook)    phase notebook 500 python3 -m artsg_nb.demo --run-dir /tmp/runs/demo-sglang ;;

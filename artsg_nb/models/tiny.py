@@ -1,7 +1,7 @@
 """Build small Qwen2 models offline, deterministically, in Hugging Face format.
 
 What it does: trains a byte-level BPE tokenizer (the `tokenizers` library) on text this package
-generates — task transcripts from `tasks.py` plus generic synthetic prose, numbers and code — and
+generates — task transcripts from `tasks/registry.py` plus generic synthetic prose, numbers and code — and
 writes a Qwen2ForCausalLM with seeded random weights next to it: config.json, model.safetensors,
 generation_config.json, tokenizer.json, tokenizer_config.json (PreTrainedTokenizerFast with a ChatML
 chat template, eos `<|im_end|>`, pad `<|endoftext|>`). Two sizes:
@@ -39,12 +39,12 @@ The default build (tiny, seed 0, 800 pretraining steps) is shipped with the pack
 produces depend on the CPU (the float arithmetic of pretraining differs between CPUs), so a model
 built on each machine would make tests, the demo and the notebooks sample differently from one
 machine to the next. `default_model_dir()` returns the shipped copy; other sizes, seeds and step
-counts are built into the cache. After an edit to this file or tasks.py (the recipe),
+counts are built into the cache. After an edit to this file or tasks/registry.py (the recipe),
 `python -m artsg_nb.models tiny --ship` rebuilds it; tests/test_tiny_model.py fails until then.
 
 A build goes to a temporary sibling directory, `.complete` is written last and the directory is
 renamed into place, so a crashed build is never mistaken for a finished one. `.complete` records
-size, seed, steps and a hash of this file and tasks.py: a directory with the same record is
+size, seed, steps and a hash of this file and tasks/registry.py: a directory with the same record is
 returned as is, one with another record (an older recipe, another size) is rebuilt.
 
 What it does not do: download anything, or produce a model that is good at anything but the
@@ -226,7 +226,7 @@ class Phase:
 # system prompt it barely learns them at all (hence price_lookup's short one). Then the real
 # prompts and a teacher that errs half the time: the skills carry over, and the sampled policy
 # picks up the teacher's one mistake, which GRPO removes.
-PRETRAIN_TASKS = ("addition", "price_lookup")  # guess_number is beyond the tiny model (see tasks.py)
+PRETRAIN_TASKS = ("addition", "price_lookup")  # guess_number is beyond the tiny model (see tasks/registry.py)
 PRETRAIN_PHASES = (Phase(share=0.6, noise=0.0, system_prompt=False, mix=PRETRAIN_TASKS),
                    Phase(share=0.4, noise=0.5, system_prompt=True, mix=PRETRAIN_TASKS))
 PRETRAIN_BATCH = 16
@@ -375,7 +375,7 @@ def _pretrained_weights(config, weights: dict, tokenizer, steps: int, seed: int)
 # ---- build -----------------------------------------------------------------------------------
 def _marker(size: str, seed: int, pretrain_steps: int) -> dict:
     """What a build depends on, written to `.complete`; a directory with another marker is rebuilt.
-    `recipe` hashes this file and tasks.py, so any edit to them rebuilds cached models (~25 s)."""
+    `recipe` hashes this file and tasks/registry.py, so any edit to them rebuilds cached models (~25 s)."""
     recipe = hashlib.sha256(Path(__file__).read_bytes() + Path(tasks.__file__).read_bytes()).hexdigest()[:16]
     return {"size": size, "seed": seed, "pretrain_steps": pretrain_steps, "recipe": recipe}
 

@@ -71,7 +71,8 @@ def write_rollouts(run_dir: str | Path, step: int, groups: Sequence) -> Path:
     """Write every trajectory of step `step` to `<run_dir>/rollouts/step-<step>.jsonl` (a redone
     step replaces its file)."""
     path = rollouts_path(run_dir, step)
-    write_atomic(path, "".join(json.dumps(record) + "\n" for record in sample_records(groups, step)))
+    lines = "".join(json.dumps(record) + "\n" for record in sample_records(groups, step))
+    write_atomic(path, lines)
     return path
 
 

@@ -3,7 +3,7 @@
 
 What it does: names the types a task author implements. Either method may be `async def` (a
 tool call can hit an API); rollout.py awaits what they return. What it does not do: define tasks
-(tasks.py, dataset_tasks.py) or play them (rollout.py).
+(registry.py, dataset.py) or play them (rollout/groups.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Tasks: the public `Task` type, its registry and specs, and example environments.
 
 What it does: `Task` (episodes of an `Env`, episode.py; `Task.from_dataset` for TRL-style
-dataset tasks, dataset_tasks.py), `register_task`, and `resolve_task` for the three ways to name a
+dataset tasks, dataset.py), `register_task`, and `resolve_task` for the three ways to name a
 task (a registered name, a Task object, "package.module:ATTR"); `task_spec` records one in
 config.json. The example tasks are small enough for the offline tiny model to learn on CPU within
 ~10 GRPO steps, and a third is for demos:
@@ -81,7 +81,7 @@ class Task:
 
     def group_seeds(self, run_seed: int, step: int, count: int) -> list[int]:
         """The env seeds of step `step`'s `count` groups (steps count from 1). Dataset tasks walk
-        their rows epoch by epoch (dataset_tasks.py); others draw seeds from (run_seed, step)."""
+        their rows epoch by epoch (dataset.py); others draw seeds from (run_seed, step)."""
         if self.source is not None:
             return self.source.group_seeds(run_seed, step, count)
         rng = random.Random(run_seed * 1_000_003 + step)

@@ -14,7 +14,7 @@ _EXPORTS = {
     "list_gpus": "serving.gpus", "plan_gpus": "serving.gpus",
     "Dashboard": "view.widgets",
     "LivePlot": "view.plots", "plot_training": "view.plots", "plot_engine_comparison": "view.plots",
-    "compare_runs": "view.plots", "sample_table": "view.plots",
+    "compare_runs": "view.plots", "sample_table": "view.plots", "plot_step_benchmark": "view.plots",
     "get_task": "tasks.registry", "list_tasks": "tasks.registry", "register_task": "tasks.registry",
     "resolve_task": "tasks.registry", "Task": "tasks.registry", "Env": "tasks.registry", "StepResult": "tasks.registry",
     "default_model_dir": "models.tiny",

@@ -126,3 +126,14 @@ def test_executed_quickstart_shows_figures_in_the_loop_and_plot_cells(tmp_path):
     final = cell_with("fig = run.plot()")
     assert "image/png" in mimes(final), f"no figure in the final plot cell: {final.outputs}"
     assert (tmp_path / "run" / "training.png").exists()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_name_a_notebook_takes_from_the_package_exists(path):
+    """`ag.<name>` in a cell is a name artsg_nb exports: a branch a CPU run never takes (notebook
+    03 plots step benchmarks only when result files exist) would otherwise fail on a user's box."""
+    import artsg_nb
+
+    code = "\n".join(c.source for c in read(path).cells if c.cell_type == "code")
+    used = set(re.findall(r"\bag\.([A-Za-z_]\w*)", code))
+    assert not {n for n in used if not hasattr(artsg_nb, n)}, f"{path.name} uses names artsg_nb does not export"

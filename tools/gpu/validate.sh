@@ -47,7 +47,8 @@
 #               SmolLM2, via papermill (needs the art and art-polars sets)
 #   pipeline    30 steps synchronous vs RunConfig(pipeline=True) on SGLang, SmolLM2 (PIPE_STEPS)
 #   faults-sglang  the engine-parametrised fault tests (security, loop, fleet restart) against real SGLang
-#               (ARTSG_TEST_ENGINES=sglang; FAULTS_FILES, FAULTS_K override); needs .whl-router for the fleet
+#               (ARTSG_TEST_ENGINES=sglang; FAULTS_FILES, FAULTS_K override); needs .whl-router for the fleet.
+#               faults-sglang-loop: the loop file alone; faults-sglang-other: the other two (two lanes)
 #   art-tiny    notebooks/05 on the shipped tiny model and SGLang: counts trajectories left out for token
 #               ids the server did not send (needs the art, art-polars, web and kernel sets)
 set -uo pipefail
@@ -104,10 +105,13 @@ for p in "$@"; do
     pipeline)    phase pipeline 560 bash -c "python3 -m artsg_nb.train --engine sglang --model-path $SMOL --steps ${PIPE_STEPS:-30} \
                    --group-size 8 --groups-per-step 16 --run-dir /tmp/runs/sync && python3 -m artsg_nb.train --engine sglang \
                    --model-path $SMOL --steps ${PIPE_STEPS:-30} --group-size 8 --groups-per-step 16 --pipeline --run-dir /tmp/runs/pipe" ;;
-    faults-sglang) phase faults-sglang 560 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$PWD/artsg_nb/models/shipped/tiny-s0-p800 \
-                   python3 -m pytest -p no:cacheprovider -q -rA -m faults ${FAULTS_K:+-k "$FAULTS_K"} \
-                   ${FAULTS_FILES:-tests/faults/test_security_faults.py tests/faults/test_loop_faults.py tests/faults/test_fleet_restart_faults.py}
-                 grep -E '^faults:|passed|failed|^(PASSED|FAILED|ERROR) ' "$OUT/faults-sglang.log" | tail -30 | cut -c1-200 | sed 's/^/    /' ;;
+    faults-sglang|faults-sglang-loop|faults-sglang-other)
+                 F=tests/faults; FILES="$F/test_security_faults.py $F/test_loop_faults.py $F/test_fleet_restart_faults.py"
+                 [[ $p == faults-sglang-loop ]] && FILES=$F/test_loop_faults.py
+                 [[ $p == faults-sglang-other ]] && FILES="$F/test_security_faults.py $F/test_fleet_restart_faults.py"
+                 phase "$p" 560 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$PWD/artsg_nb/models/shipped/tiny-s0-p800 \
+                   python3 -m pytest -p no:cacheprovider -q -rA -m faults ${FAULTS_K:+-k "$FAULTS_K"} ${FAULTS_FILES:-$FILES}
+                 grep -E '^faults:|passed|failed|^(PASSED|FAILED|ERROR) ' "$OUT/$p.log" | tail -30 | cut -c1-200 | sed 's/^/    /' ;;
     art-tiny)    phase art-tiny 400 env ARTSG_TINY_MODEL=$PWD/artsg_nb/models/shipped/tiny-s0-p800 python3 -m papermill \
                    notebooks/05_art_drop_in.ipynb "$OUT/05_art_tiny.ipynb" -p RUN_DIR /tmp/runs/art-tiny --cwd notebooks --log-output
                  echo "    trajectories left out for unknown token ids: $(grep -c 'left out: their token ids' "$OUT/art-tiny.log")"

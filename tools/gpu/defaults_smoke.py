@@ -11,6 +11,8 @@ each, and a JSON record of everything (`--out`):
               (auto, n, prefix, prefix_n, naive); passes when all 25 steps ran
   tests       the GPU-marked tests: pytest -m "gpu or sglang" with ARTSG_TEST_ENGINES=sglang
 
+Each part's log (quickstart.log, tests.log) is written beside the JSON (`--out`'s folder).
+
 The tests part runs beside the other two (started --tests-after seconds in, once the first SGLang
 start has JIT-compiled the kernels they share), so the smoke fits its ~7-minute bound: each part
 is a process of its own on the one GPU (SGLang's memory fraction is of the memory free at its start).
@@ -42,12 +44,12 @@ def stamp(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def part_quickstart(model: str, work: Path, limit_s: float) -> dict:
+def part_quickstart(model: str, work: Path, limit_s: float, logs: Path) -> dict:
     run_dir = work / "quickstart"
     cmd = [sys.executable, "-m", "papermill", str(REPO / "notebooks/01_quickstart.ipynb"), str(work / "01.ipynb"),
            "-p", "RUN_DIR", str(run_dir), "-p", "MODEL_PATH", model, "-p", "MORE_STEPS", "8",
            "--cwd", str(REPO / "notebooks"), "--log-output"]
-    ok, log_tail = _run(cmd, work / "quickstart.log", limit_s)
+    ok, log_tail = _run(cmd, logs / "quickstart.log", limit_s)
     rows = _history(run_dir)
     reloads = [r for r in rows if r.get("reload_s") is not None]
     result = _summary(rows) | {"reloads": len(reloads), "log_tail": None if ok else log_tail}
@@ -80,10 +82,10 @@ def part_schedules(model: str, work: Path, limit_s: float) -> dict:
             "restarts": run.restarts}
 
 
-def part_tests(work: Path, limit_s: float) -> dict:
+def part_tests(work: Path, limit_s: float, logs: Path) -> dict:
     env = {**os.environ, "ARTSG_TEST_ENGINES": "sglang"}
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu or sglang", str(REPO / "tests")]
-    ok, tail = _run(cmd, work / "tests.log", limit_s, env=env, cwd=REPO)
+    ok, tail = _run(cmd, logs / "tests.log", limit_s, env=env, cwd=REPO)
     summary = next((line for line in reversed(tail.splitlines()) if " passed" in line or " failed" in line), tail[-300:])
     return {"pass": ok, "summary": summary.strip()}
 
@@ -149,9 +151,10 @@ def main(argv=None) -> int:
     limits = {"quickstart": 200, "schedules": 140, "tests": 300}  # tests: beside the others, so slower
     limits |= {k: float(v) for k, v in (item.split("=") for item in a.limit_s)}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("smoke: terminated"))  # so `finally` stops the servers
-    runners = {"quickstart": lambda: part_quickstart(a.model, work, limits["quickstart"]),
+    logs = Path(a.out).parent  # beside the JSON, so the device call brings them back with it
+    runners = {"quickstart": lambda: part_quickstart(a.model, work, limits["quickstart"], logs),
                "schedules": lambda: part_schedules(a.model, work, limits["schedules"]),
-               "tests": lambda: part_tests(work, limits["tests"])}
+               "tests": lambda: part_tests(work, limits["tests"], logs)}
     lock = threading.Lock()  # the record and its file are written by both lanes
 
     def run_part(name: str) -> None:
@@ -193,7 +196,10 @@ def _gpu_name() -> str | None:
 
 
 def _commit() -> str | None:
-    """The commit under test: git's, else $ARTSG_COMMIT (the GPU host's copy has no git)."""
+    """The commit under test: $ARTSG_COMMIT when set (the GPU host's copy of the tree may carry a
+    stale .git: a smoke at b7469a4 recorded 983c7d2), else git's."""
+    if os.environ.get("ARTSG_COMMIT"):
+        return os.environ["ARTSG_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     except OSError:

@@ -14,11 +14,11 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import httpx
 
-from ..engines.sglang import merge_stream_chunk
+from .. import engines
 from ..rollout.groups import TrajectoryGroup
 
 RAW_SCHEDULES = ("naive", "prefix", "n")
@@ -61,85 +61,46 @@ def raw_plans(groups: Sequence[TrajectoryGroup]) -> list[list[RawPlan]]:
 
 
 class RawEngine:
-    """Plain httpx posts of the payloads the toolkit client sends; no parsing beyond ids/counts."""
+    """Plain httpx posts of the payloads the toolkit client sends (each engine's RawDialect, in
+    engines/); no parsing beyond ids and counts."""
 
     def __init__(self, engine: str, base_url: str, model: str, params, stream: bool, headers: dict | None = None):
-        self.engine, self.model, self.params, self.stream = engine, model, params, stream
+        self.dialect, self.model, self.params, self.stream = engines.get(engine).raw, model, params, stream
         self.http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), headers=headers or {},
                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
         self.samples: list[RawSample] = []
 
-    def payload(self, ids: list[int], n: int) -> tuple[str, dict]:
-        p = self.params
-        if self.engine == "vllm":
-            return "/v1/completions", {
-                "model": self.model, "prompt": ids, "max_tokens": p.max_new_tokens, "n": n,
-                "temperature": p.temperature, "top_p": p.top_p, "ignore_eos": p.ignore_eos,
-                "return_token_ids": True, "logprobs": 1}
-        return "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
-            "max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p,
-            "ignore_eos": p.ignore_eos, "n": n}}
-
     async def generate(self, ids: list[int], n: int = 1, on_first=None) -> list[RawSample]:
-        path, body = self.payload(ids, n)
+        path, body = self.dialect.payload(ids, n, self.params, self.model)
         t0 = time.perf_counter()
         if self.stream or on_first is not None:
-            objs, ttft = await self._streamed(path, body, on_first, t0)
+            answer, ttft = await self._streamed(path, body, on_first, t0)
         else:
             resp = await self.http.post(path, json=body)
             resp.raise_for_status()
-            objs, ttft = resp.json(), None
-        samples = self._parse(objs, len(ids), time.perf_counter() - t0, ttft)
+            answer, ttft = resp.json(), None
+        e2e_s = time.perf_counter() - t0
+        samples = [RawSample(out, prompt, cached, e2e_s, ttft) for out, prompt, cached in self.dialect.samples(answer, len(ids))]
         self.samples += samples
         return samples
 
     async def _streamed(self, path: str, body: dict, on_first, t0: float):
-        body = {**body, "stream": True}
-        if self.engine == "vllm":
-            body["stream_options"] = {"include_usage": True}
-        last: dict[int, Any] = {}
-        ttft = None
+        body = {**body, **self.dialect.stream_fields, "stream": True}
+        chunks, ttft = [], None
         async with self.http.stream("POST", path, json=body) as resp:
             resp.raise_for_status()
             async for line in resp.aiter_lines():
                 if not line.startswith("data:") or line.endswith("[DONE]"):
                     continue
-                chunk = json.loads(line[5:])
+                chunks.append(json.loads(line[5:]))
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                     if on_first is not None:
                         on_first()
-                if self.engine == "vllm":
-                    last.setdefault("chunks", []).append(chunk)
-                else:  # cumulative chunks by default, deltas with --incremental-streaming-output
-                    i = chunk.get("index", 0)
-                    last[i] = merge_stream_chunk(last.get(i), chunk)
-        if self.engine == "vllm":
-            return _merge_vllm_chunks(last.get("chunks", [])), ttft
-        return [last[i] for i in sorted(last)], ttft
-
-    def _parse(self, objs, n_prompt: int, e2e_s: float, ttft_s) -> list[RawSample]:
-        if self.engine == "vllm":
-            cached = ((objs.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            return [RawSample(c.get("token_ids") or [], n_prompt, cached, e2e_s, ttft_s)
-                    for c in sorted(objs["choices"], key=lambda c: c.get("index", 0))]
-        objs = objs if isinstance(objs, list) else [objs]
-        return [RawSample(o["output_ids"], o["meta_info"]["prompt_tokens"],
-                          o["meta_info"].get("cached_tokens") or 0, e2e_s, ttft_s) for o in objs]
+        return self.dialect.merge_chunks(chunks), ttft
 
     async def aclose(self) -> None:
         await self.http.aclose()
-
-
-def _merge_vllm_chunks(chunks: list[dict]) -> dict:
-    choices: dict[int, dict] = {}
-    usage = None
-    for chunk in chunks:
-        usage = chunk.get("usage") or usage
-        for c in chunk.get("choices") or []:
-            acc = choices.setdefault(c.get("index", 0), {"index": c.get("index", 0), "token_ids": []})
-            acc["token_ids"] += c.get("token_ids") or []
-    return {"choices": list(choices.values()), "usage": usage}
 
 
 async def _raw_episode(raw: RawEngine, plan: RawPlan, first: RawSample) -> None:

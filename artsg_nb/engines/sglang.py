@@ -47,7 +47,7 @@ from typing import Iterable
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, saver_problem)
 from .errors import AdapterExistsError, EngineError, MemorySaverError
-from .spec import EngineSpec, key_launcher
+from .spec import EngineSpec, RawDialect, key_launcher
 
 log = logging.getLogger(__name__)
 
@@ -363,12 +363,37 @@ def validate(cfg) -> None:
                          "must stay ≤ 65535; use a port ≤ 55535 (or None for a free one)")
 
 
+def raw_payload(ids: list[int], n: int, params, model: str) -> tuple[str, dict]:
+    """/generate with ids in and logprobs out, as the client sends it, for bench.raw."""
+    return "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+        "ignore_eos": params.ignore_eos, "n": n}}
+
+
+def raw_merge_chunks(chunks: list[dict]) -> list[dict]:
+    """Streamed /generate chunks (cumulative, or deltas with --incremental-streaming-output) →
+    one object per sample, by index."""
+    by_index: dict[int, dict] = {}
+    for chunk in chunks:
+        i = chunk.get("index", 0)
+        by_index[i] = merge_stream_chunk(by_index.get(i), chunk)
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def raw_samples(answer, n_prompt: int) -> list[tuple[list[int], int, int]]:
+    objs = answer if isinstance(answer, list) else [answer]
+    return [(o["output_ids"], o["meta_info"]["prompt_tokens"], o["meta_info"].get("cached_tokens") or 0)
+            for o in objs]
+
+
+RAW = RawDialect(payload=raw_payload, merge_chunks=raw_merge_chunks, samples=raw_samples)
+
 CHAT_TOKEN_IDS = {"return_meta_info": True, "return_prompt_token_ids": True}
 """What a chat completion asks for to get its ids back (protocol.py's ChatCompletionRequest)."""
 
 SPEC = EngineSpec(
     name="sglang", client_class=SGLangClient, entry="sglang.launch_server", package="sglang",
-    chat_token_ids=CHAT_TOKEN_IDS,
+    chat_token_ids=CHAT_TOKEN_IDS, raw=RAW,
     launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER, lora_n_problem=lora_n_problem,
     auth_probe="/model_info", tp_flag="--tp-size",
     python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",

@@ -11,6 +11,22 @@ from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
+class RawDialect:
+    """One generate request and its answer as plain HTTP: what bench.raw's baseline sends and
+    reads (no client, no chat template, nothing parsed beyond ids and token counts)."""
+
+    payload: Callable[[list[int], int, Any, str], tuple[str, dict]]
+    """(prompt ids, n, sampling params, served model name) → (path, JSON body)."""
+    merge_chunks: Callable[[list[dict]], Any]
+    """A streamed answer's data chunks, in order → the answer an unstreamed request gets."""
+    samples: Callable[[Any, int], list[tuple[list[int], int, int]]]
+    """(the answer, the prompt's length) → per sample, by index: (output ids, prompt tokens,
+    cached tokens)."""
+    stream_fields: Mapping[str, Any] = field(default_factory=dict)
+    """Added to the body of a streamed request (vLLM: the usage in its last chunk)."""
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """Everything engine-specific that is not the HTTP dialect: launch, environment, metrics.
 
@@ -68,6 +84,8 @@ class EngineSpec:
     progress_counters: tuple[str, ...] = ()
     """Counter sample names that grow with every scheduler round while the engine works (summed):
     the watchdog's sign that requests in flight make progress."""
+    raw: RawDialect | None = None
+    """Its generate request as plain HTTP, for the bench's raw baseline."""
     chat_token_ids: Mapping[str, Any] = field(default_factory=dict)
     """Chat-completion request fields that make each choice carry the server's own token ids (an
     OpenAI client's `extra_body`; art.convert reads them back). SGLang 0.5.14: `return_meta_info`

@@ -30,7 +30,7 @@ from typing import Any
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, response_body, saver_problem)
 from .errors import AdapterExistsError, EngineError, MemorySaverError
-from .spec import EngineSpec
+from .spec import EngineSpec, RawDialect
 
 log = logging.getLogger(__name__)
 
@@ -257,10 +257,39 @@ def validate(cfg) -> None:
                          f"{cfg.max_lora_rank}; use {ok} (adapters of smaller rank still load)")
 
 
+def raw_payload(ids: list[int], n: int, params, model: str) -> tuple[str, dict]:
+    """/v1/completions with ids in (`prompt` as a list) and token ids out, for bench.raw."""
+    return "/v1/completions", {
+        "model": model, "prompt": ids, "max_tokens": params.max_new_tokens, "n": n,
+        "temperature": params.temperature, "top_p": params.top_p, "ignore_eos": params.ignore_eos,
+        "return_token_ids": True, "logprobs": 1}
+
+
+def raw_merge_chunks(chunks: list[dict]) -> dict:
+    """Streamed completion chunks (deltas of token_ids per choice; usage in the last) → one answer."""
+    choices: dict[int, dict] = {}
+    usage = None
+    for chunk in chunks:
+        usage = chunk.get("usage") or usage
+        for c in chunk.get("choices") or []:
+            acc = choices.setdefault(c.get("index", 0), {"index": c.get("index", 0), "token_ids": []})
+            acc["token_ids"] += c.get("token_ids") or []
+    return {"choices": list(choices.values()), "usage": usage}
+
+
+def raw_samples(answer: dict, n_prompt: int) -> list[tuple[list[int], int, int]]:
+    cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return [(c.get("token_ids") or [], n_prompt, cached) for c in sorted(answer["choices"], key=lambda c: c.get("index", 0))]
+
+
+RAW = RawDialect(payload=raw_payload, merge_chunks=raw_merge_chunks, samples=raw_samples,
+                 stream_fields={"stream_options": {"include_usage": True}})
+
+
 SPEC = EngineSpec(
     name="vllm", client_class=VLLMClient, entry="vllm.entrypoints.openai.api_server", package="vllm",
     launch_args=launch_args, validate=validate, ignored_options=("schedule_policy",),
-    tp_flag="--tensor-parallel-size", chat_token_ids={"return_token_ids": True},
+    tp_flag="--tensor-parallel-size", chat_token_ids={"return_token_ids": True}, raw=RAW,
     # vLLM reads its key from VLLM_API_KEY when --api-key is absent (vllm/envs.py; the app's
     # AuthenticationMiddleware in api_server.py), so it never goes on the command line. vLLM
     # guards only the routes of its OpenAI API (/v1/...): the dev routes (/sleep, /wake_up,

@@ -71,3 +71,25 @@ def test_engine_version_skips_a_server_info_without_version():
     assert run_sync(engine_version(Client())) == "0.26.0"
     routes.pop("/version")
     assert run_sync(engine_version(Client())) == "unknown"
+
+
+def test_each_engine_names_its_raw_request_and_reads_its_streamed_answer():
+    """bench.raw holds no engine branch: each engine's RawDialect (engines/) builds the request and
+    turns a stream back into what an unstreamed request returns."""
+    from types import SimpleNamespace
+
+    from artsg_nb import engines
+
+    params = SimpleNamespace(max_new_tokens=4, temperature=1.0, top_p=1.0, ignore_eos=True)
+    vllm, sglang = engines.get("vllm").raw, engines.get("sglang").raw
+    assert vllm.payload([1, 2], 2, params, "m")[0] == "/v1/completions"
+    assert sglang.payload([1, 2], 2, params, "m")[1]["sampling_params"]["n"] == 2
+    assert engines.get("cpu").raw is sglang and "stream_options" in vllm.stream_fields
+    chunks = [{"choices": [{"index": 1, "token_ids": [7]}, {"index": 0, "token_ids": [5]}]},
+              {"choices": [{"index": 0, "token_ids": [6]}]},
+              {"choices": [], "usage": {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 1}}}]
+    assert vllm.samples(vllm.merge_chunks(chunks), 2) == [([5, 6], 2, 1), ([7], 2, 1)]
+    cumulative = [{"index": 0, "output_ids": [5], "meta_info": {"prompt_tokens": 2, "completion_tokens": 1}},
+                  {"index": 0, "output_ids": [5, 6], "meta_info": {"prompt_tokens": 2, "completion_tokens": 2,
+                                                                   "cached_tokens": 1}}]
+    assert sglang.samples(sglang.merge_chunks(cumulative), 2) == [([5, 6], 2, 1)]

@@ -46,7 +46,7 @@ demo: venv
 # machine: the tiny model comes from the repository, SmolLM2 is fetched again), and each suite runs
 # even when another failed; the last lines are each suite's summary, the exit status 1 if any failed.
 test: venv browser-deps
-	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) tools/run_tests.sh faults main
+	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) SUITES_SIDE_BY_SIDE=1 tools/run_tests.sh faults main
 
 test-faults test-main: test-%:
 	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) tools/run_tests.sh $*

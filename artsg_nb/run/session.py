@@ -47,7 +47,7 @@ from ..rollout.groups import collect_groups, require_rewards
 from .config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
                      check_resumable, config_record, resolve_release, resolve_schedule)
 from ..rollout.samples import constant_groups, read_samples, write_rollouts
-from ..serving.inference import InferenceServer, start_inference
+from ..serving.inference import start_inference
 from ..serving.server import ServerConfig, start_while
 from ..tasks.registry import resolve_task
 from ..models.tiny import default_model_dir, is_tiny_build
@@ -58,6 +58,19 @@ from .watchdog import HealthWatchdog
 from ..view.widgets import Dashboard
 
 log = logging.getLogger(__name__)
+
+
+class _Supervised:
+    """An attribute of the run that its ServerSupervisor holds, read and set through the run."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, run, owner=None):
+        return self if run is None else getattr(run.supervisor, self.name)
+
+    def __set__(self, run, value) -> None:
+        setattr(run.supervisor, self.name, value)
 
 
 class GRPORun:
@@ -83,30 +96,12 @@ class GRPORun:
         self._dashboard: Dashboard | None = None
 
     # ---- the supervisor's state, as a notebook reads it ---------------------------------------
-    @property
-    def server(self) -> InferenceServer | None:
-        return self.supervisor.server
-
-    @server.setter
-    def server(self, server: InferenceServer | None) -> None:
-        self.supervisor.server = server
-
-    @property
-    def client(self):
-        """The server's client (a new one after each restart)."""
-        return self.supervisor.client
-
-    @client.setter
-    def client(self, client) -> None:
-        self.supervisor.client = client
-
-    @property
-    def publisher(self):
-        return self.supervisor.publisher
-
-    @publisher.setter
-    def publisher(self, publisher) -> None:
-        self.supervisor.publisher = publisher
+    server = _Supervised()
+    """The inference server or fleet (serving.inference.InferenceServer), replaced at each restart."""
+    client = _Supervised()
+    """The server's client (a new one after each restart)."""
+    publisher = _Supervised()
+    """What saves, loads and verifies adapter versions on the server."""
 
     @property
     def restarts(self) -> int:

@@ -5,7 +5,8 @@ serves every HTTP test; its boot adapter is written by hand (plain safetensors),
 the tests load are made with PEFT with non-zero lora_B while the engine boots. Conformance
 tests compare key sets and value types with the responses recorded from a real SGLang 0.5.14
 (shared/fixtures/sglang-0.5.14/). A few in-process tests drive the scheduler directly
-(radix cache off vs on, batched vs alone) and the app without a model (--api-key).
+(radix cache off vs on, batched vs alone, flush refused while busy) and the app without a model
+(--api-key, the flush route's busy answers).
 """
 
 from __future__ import annotations
@@ -491,7 +492,7 @@ def test_unload_waits_for_in_flight_requests(engine, adapters):
 
 
 # ---- cache control and metrics -------------------------------------------------------------
-def test_flush_cache_text_and_refusal_while_running(engine):
+def test_flush_cache_text_and_flush_after_an_aborted_stream(engine):
     proc, http = engine
     r = http.post("/flush_cache")
     assert r.status_code == 200 and r.text == fixture("flush_cache.json")["body"]
@@ -499,11 +500,57 @@ def test_flush_cache_text_and_refusal_while_running(engine):
     with httpx.stream("POST", proc.url + "/generate", timeout=60, json={
             "input_ids": PROMPT, "stream": True,
             "sampling_params": {"max_new_tokens": 2000, "temperature": 0.0, "ignore_eos": True}}) as stream:
-        next(stream.iter_lines())  # running now
-        r = http.post("/flush_cache")
-        assert r.status_code == 400 and r.text.startswith("Cache not flushed.")
+        next(stream.iter_lines())  # admitted
     # Closing the stream aborts the request; the engine is idle again soon after.
     assert http.post("/flush_cache", params={"timeout": 30}).status_code == 200
+
+
+def test_scheduler_refuses_to_flush_while_a_request_is_queued_or_running(cpu_engine_model_dir):
+    """Stepped by hand (no scheduler thread), so "while running" does not depend on how fast this
+    CPU decodes: a 2000-token request finishes in under a second here, and a flush sent over HTTP
+    under load could arrive after it."""
+    from artsg_nb.cpu_engine.metrics import EngineMetrics
+    from artsg_nb.cpu_engine.model import ModelRunner
+    from artsg_nb.cpu_engine.request import Request
+    from artsg_nb.cpu_engine.sampling import RequestSampling
+    from artsg_nb.cpu_engine.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(ModelRunner(str(cpu_engine_model_dir)), SchedulerConfig(), EngineMetrics("m"))
+    finished = []
+    params = RequestSampling(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    scheduler.submit([Request(input_ids=PROMPT, params=params, on_event=lambda r, done: done and finished.append(r))])
+    assert scheduler.flush_cache() is False  # queued
+    scheduler._round()
+    assert scheduler.batch.reqs and scheduler.flush_cache() is False  # running
+    cached_while_running = scheduler.cache.total_tokens
+    while not finished:
+        scheduler._round()
+    assert len(finished[0].output_ids) == 8
+    assert scheduler.cache.total_tokens >= cached_while_running > 0  # the refusals kept the cache
+    assert scheduler.flush_cache() is True and scheduler.cache.total_tokens == 0
+
+
+def test_flush_route_answers_like_sglang_when_the_engine_is_busy(cpu_engine_model_dir):
+    from fastapi.testclient import TestClient
+
+    from artsg_nb.cpu_engine.__main__ import parse_args
+    from artsg_nb.cpu_engine.engine import Engine
+    from artsg_nb.cpu_engine.routes import FLUSH_NOTE, create_app
+
+    engine = Engine(parse_args(["--model-path", str(cpu_engine_model_dir)]))
+    refusals = []
+
+    async def busy() -> bool:
+        refusals.append(time.monotonic())
+        return False
+
+    engine.healthy, engine.flush_cache = (lambda: True), busy
+    client = TestClient(create_app(engine))  # no `with`: the model is never loaded
+    r = client.post("/flush_cache")
+    assert (r.status_code, r.text) == (400, "Cache not flushed.\n" + FLUSH_NOTE) and len(refusals) == 1
+    r = client.get("/flush_cache", params={"timeout": 0.3})
+    assert (r.status_code, r.text) == (400, "Timed out waiting for idle state.\n")
+    assert len(refusals) > 2 and refusals[-1] - refusals[1] >= 0.25  # it kept asking until the timeout
 
 
 def test_memory_routes_without_memory_saver_answer_like_sglang(engine):

@@ -304,6 +304,21 @@ def test_sglang_optional_flags_and_plan():
     assert "--mem-fraction-static" not in build_command(ServerConfig("sglang", "M", "r", port=1), "py")
 
 
+def test_build_env_is_the_whole_server_environment():
+    kernel = {"PATH": "/bin", "PYTHONPATH": "/kernel/site", "PYTHONHOME": "/k", "ARTSG_SGLANG_API_KEY": "stale",
+              "CUDA_VISIBLE_DEVICES": "3"}
+    cfg = ServerConfig("sglang", "M", "r", port=1, env={"SGLANG_X": "1"})
+    env = build_env(cfg, extra_env={"PYTHONPATH": "/server/site"}, base=kernel)
+    assert env["PATH"] == "/bin" and env["SGLANG_X"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    assert env["PYTHONPATH"] == "/server/site" and "PYTHONHOME" not in env  # the server's packages, not the kernel's
+    assert "ARTSG_SGLANG_API_KEY" not in env  # no key: a stale one from the kernel would lock the run out
+    assert build_env(cfg, api_key="k", base=kernel)["ARTSG_SGLANG_API_KEY"] == "k"
+    assert "PYTHONPATH" not in build_env(cfg, base=kernel)
+    cpu = build_env(ServerConfig("cpu", "M", "r", port=1), base=kernel)
+    assert cpu["PYTHONPATH"] == "/kernel/site"  # the CPU engine runs on the kernel's own packages
+    assert kernel["ARTSG_SGLANG_API_KEY"] == "stale"  # the kernel's environment is untouched
+
+
 def test_vllm_command_and_env_match_gpu_readme():
     cfg = ServerConfig("vllm", "MODEL_DIR", "r", port=8000, mem_fraction=0.5,
                        extra_args=("--attention-backend", "TRITON_ATTN"), env={"VLLM_USE_FLASHINFER_SAMPLER": "0"})

@@ -46,7 +46,7 @@ from .procs import reap_orphans  # noqa: F401  (public here too)
 from .server_config import (TARGET_MODULES, ModelPathError, ServerConfig, ServerError, ignored_options,
                             server_url, build_command, build_env, check_model_path, config_hash,
                             resolve_api_key, with_env_args)
-from .server_env import ServerEnv, child_env, find_server_env
+from .server_env import ServerEnv, find_server_env
 
 log = logging.getLogger(__name__)
 
@@ -235,9 +235,7 @@ class Server:
     def _launch(self) -> None:
         cfg = self.config
         cmd = build_command(cfg, self.server_env.python, self.port)
-        env = child_env(cfg.engine, build_env(cfg, self.server_env.extra_env, self.api_key))
-        if not self.api_key and cfg.spec.api_key_env:
-            env.pop(cfg.spec.api_key_env, None)  # a key in the kernel's environment would lock us out
+        env = build_env(cfg, self.server_env.extra_env, self.api_key)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         header = f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: {' '.join(cmd)}\n"
         self.proc = procs.spawn(cmd, env, self.log_path, header)

@@ -2,8 +2,8 @@
 
 What it does: `ServerConfig` (engine, model, LoRA pool, memory, API key, extra flags, ...; save
 with `asdict`, vary with `dataclasses.replace`), and the pure functions server.py launches with:
-`build_command` (the engine's flags from its EngineSpec, never the API key), `build_env` (GPU
-plan, engine switches, the key in the engine's key variable), `with_env_args`
+`build_command` (the engine's flags from its EngineSpec, never the API key), `build_env` (the
+server's whole environment: the kernel's cleaned, GPU plan, engine switches, the key), `with_env_args`
 ($ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS), `resolve_api_key` ("auto" → a fresh random key),
 `config_hash` (what identifies a running server), and `check_model_path` (a local path that is
 not a model directory is refused before anything is launched). Unit-tested without launching.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal, Mapping
 from .. import engines
 from ..engines import ENGINES
 from ..engines.base import ADMIN_TIMEOUT_S
-from .server_env import server_args
+from .server_env import child_env, server_args
 
 if TYPE_CHECKING:
     from .gpus import GpuPlan
@@ -166,18 +166,23 @@ def ignored_options(cfg: ServerConfig) -> list[str]:
 
 
 def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None,
-              api_key: str | None = None) -> dict[str, str]:
-    """Variables set for the server on top of the kernel's environment (GPU plan, engine
-    switches, the server environment's `extra_env`, then `cfg.env`, later ones winning), and
-    `api_key` (resolved: not "auto") in the engine's key variable."""
+              api_key: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The server process's whole environment, built here only: `base` (the kernel's os.environ)
+    cleaned for the engine's interpreter (`child_env`), then the GPU plan, the engine's switches,
+    the server environment's `extra_env` and `cfg.env`, later ones winning; `api_key` (resolved:
+    not "auto") in the engine's key variable, and without one no key variable at all (a key left
+    in the kernel's environment would lock this run out of its own server)."""
     env = {"PYTHONUNBUFFERED": "1"}  # the log tail shows the latest lines, not a stale buffer
     if cfg.gpu_plan is not None:
         env.update(cfg.gpu_plan.server_env())
     env.update(cfg.spec.server_env)
     env.update(extra_env or {})
     env.update(cfg.env)
-    if api_key and cfg.spec.api_key_env:
-        env[cfg.spec.api_key_env] = api_key
+    env = child_env(cfg.engine, env, os.environ if base is None else base)
+    if cfg.spec.api_key_env:
+        env.pop(cfg.spec.api_key_env, None)
+        if api_key:
+            env[cfg.spec.api_key_env] = api_key
     return env
 
 

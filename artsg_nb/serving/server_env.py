@@ -27,6 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from .. import engines
 from . import procs
@@ -132,10 +133,10 @@ def check_engine(python: str | os.PathLike, engine: str, extra_env: dict[str, st
     return True, lines[-1] if lines else "unknown"
 
 
-def child_env(engine: str, extra_env: dict[str, str]) -> dict[str, str]:
-    """os.environ for a server subprocess: the kernel's, minus what would make another
-    interpreter import the kernel's packages, plus `extra_env`."""
-    env = dict(os.environ)
+def child_env(engine: str, extra_env: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`base` (os.environ) for a subprocess of the engine's interpreter: minus what would make
+    another interpreter import the kernel's packages, plus `extra_env`."""
+    env = dict(os.environ if base is None else base)
     env.pop("PYTHONHOME", None)
     if engines.get(engine).python_var is not None:  # the CPU engine shares the kernel's packages
         env.pop("PYTHONPATH", None)

@@ -32,7 +32,7 @@ from .engines import AdapterRankError, MemorySaverError
 from .serving.gpus import CudaAlreadyInitializedError, NoGpuError
 from .rl.lora import AdapterSaveError
 from .view.plots import save_training_plot
-from .rollout.groups import NoRewardError
+from .rollout.trajectory import NoRewardError
 from .run.config import ConfigMismatchError, glue_flag_values, split_flags
 from .serving.server import ServerError
 from .serving.server_env import ServerEnvNotFoundError

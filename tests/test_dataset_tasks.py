@@ -13,7 +13,8 @@ from trl.rewards import get_soft_overlong_punishment, think_format_reward
 
 from artsg_nb.tasks.dataset import DatasetColumnError
 from artsg_nb.engines import Generation
-from artsg_nb.rollout.groups import NoRewardError, collect_groups, require_rewards, rollout_stats
+from artsg_nb.rollout.groups import collect_groups
+from artsg_nb.rollout.trajectory import NoRewardError, require_rewards, rollout_stats
 from artsg_nb.tasks.registry import StepResult, Task, get_task
 
 

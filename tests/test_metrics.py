@@ -8,7 +8,7 @@ import pytest
 
 from artsg_nb.serving.metrics import (TURN_COLUMNS, CacheCounters, HitRateTracker, MetricsError, cache_counters,
                               cumulative_hit_rate, hit_rate, parse_metrics, theoretical_hit_rate, turn_hit_rates)
-from artsg_nb.rollout.groups import Trajectory, TrajectoryGroup
+from artsg_nb.rollout.trajectory import Trajectory, TrajectoryGroup
 from sglang_fixtures import fixture
 
 # vLLM exposition: counters declared without _total, samples with it; labels model_name, engine.

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from artsg_nb.engines import Generation
-from artsg_nb.rollout.groups import (SCHEDULES, Trajectory, collect_groups, env_suffix_ids, render_ids,
-                              rollout_stats, turn_end_text)
+from artsg_nb.rollout.chat_tokens import env_suffix_ids, render_ids, turn_end_text
+from artsg_nb.rollout.groups import SCHEDULES, collect_groups
+from artsg_nb.rollout.trajectory import Trajectory, rollout_stats
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

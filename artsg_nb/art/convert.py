@@ -33,7 +33,7 @@ import logging
 import math
 from typing import Any, Callable, Iterable
 
-from ..rollout.groups import Trajectory, TrajectoryGroup
+from ..rollout.trajectory import Trajectory, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 

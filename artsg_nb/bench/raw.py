@@ -19,7 +19,7 @@ from typing import Sequence
 import httpx
 
 from .. import engines
-from ..rollout.groups import TrajectoryGroup
+from ..rollout.trajectory import TrajectoryGroup
 
 RAW_SCHEDULES = ("naive", "prefix", "n")
 """Schedules the raw baseline implements (the others are toolkit-only variants)."""

@@ -36,7 +36,8 @@ import tyro
 
 from ..engines import SamplingParams, make_client, run_sync
 from ..serving.metrics import cache_counters, hit_rate, theoretical_hit_rate
-from ..rollout.groups import SCHEDULES, collect_groups, rollout_stats
+from ..rollout.groups import SCHEDULES, collect_groups
+from ..rollout.trajectory import rollout_stats
 from ..serving.server import TARGET_MODULES, ServerConfig, start_server
 from ..serving.server_env import ServerEnvNotFoundError, find_server_env
 from ..models.tiny import default_model_dir

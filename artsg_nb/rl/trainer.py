@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 # transformers, peft and trl are imported where used, not here: on a GPU, Unsloth must patch them
 # before their first import, and importing Unsloth initialises CUDA, so it waits for the GPU plan
 # (trainer._load_unsloth). Importing artsg_nb.run.session therefore imports none of them.
-from ..rollout.groups import is_trainable
+from ..rollout.trajectory import is_trainable
 from .checkpoint import CheckpointError, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint_file
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
 from .step_stats import StepStats, batch_counts, is_ratio_stats

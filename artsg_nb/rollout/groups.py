@@ -46,180 +46,18 @@ import inspect
 import logging
 import math
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Sequence
 
 from tqdm.auto import tqdm
+
+from .chat_tokens import env_suffix_ids, render_ids
+from .trajectory import RolloutError, Trajectory, TrajectoryGroup, rollout_stats
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("naive", "prefix", "prefix_sync", "prefix_n", "n")
 """Turn-1 submission orders accepted by `collect_groups` (see the module docstring)."""
-
-_SENTINEL = "\u2063artsg-sentinel\u2063"  # stands in for a reply to find the template's turn ending
-
-
-def is_valid(traj) -> bool:
-    """What a valid trajectory is, the one definition: no error and a finite reward. Takes any
-    object with `.error` and `.reward` (a rank process's copies, a test's stand-ins)."""
-    return traj.error is None and traj.reward is not None and math.isfinite(traj.reward)
-
-
-def is_trainable(traj) -> bool:
-    """Valid, with at least one model token (completion mask 1) to train on."""
-    return is_valid(traj) and sum(traj.completion_mask) > 0
-
-
-class RolloutError(RuntimeError):
-    """A rollout could not be played (recorded on the Trajectory, not raised to the caller)."""
-
-
-class NoRewardError(RuntimeError):
-    """Every episode of a step that played to the end has a `reward_error`: nothing to train on."""
-
-
-@dataclass
-class Trajectory:
-    """One episode as the trainer sees it: tokens, which of them the model produced, the reward."""
-
-    messages: list[dict]
-    """The conversation: opening messages, then assistant replies (server text) and env messages."""
-    token_ids: list[int]
-    """prompt + (model tokens, env tokens)*, exactly as sent to and returned by the server."""
-    completion_mask: list[int]
-    """1 on model-generated tokens, 0 on prompt/env/turn-closing tokens; aligned with token_ids."""
-    logprobs: list[float]
-    """Server sampling logprobs (temperature-scaled) where mask == 1, 0.0 elsewhere."""
-    reward: float | None = None
-    """Final reward from the env; None when the episode failed."""
-    error: str | None = None
-    """Why the episode is unusable ("ExcType: message"); None for a valid episode."""
-    turns: int = 0
-    """Model turns played."""
-    prompt_tokens: int = 0
-    """Prompt tokens the server processed, summed over turns."""
-    cached_tokens: int = 0
-    """Prompt tokens served from the server's prefix cache, summed over turns."""
-    truncated: bool = False
-    """The length budget (max_seq_tokens) cut a reply or ended the episode early."""
-    adapter: str | None = None
-    """Adapter that generated the model tokens (None: base model)."""
-    prompt_len: int = 0
-    """Tokens before the first model token."""
-    seed: int = 0
-    """Env seed of the group."""
-    finish_reasons: list[str] = field(default_factory=list)
-    """Server finish reason per model turn: "stop" | "length" | "abort"."""
-    reward_error: str | None = None
-    """Why a played episode has no reward from its task's group scoring (`Task.group_reward`: a
-    reward function raised, or returned None/NaN for it); such an episode is left out of the
-    advantages like a failed one, but counted apart (history column `reward_errors`)."""
-    turn_stats: list[dict] = field(default_factory=list)
-    """Per model turn: {"prompt_tokens", "cached_tokens"} as the server reported them (the sums
-    are `prompt_tokens` / `cached_tokens`); metrics.turn_hit_rates tabulates them."""
-
-    @property
-    def valid(self) -> bool:
-        """Usable for training: no error and a finite reward (`is_valid`)."""
-        return is_valid(self)
-
-    def model_segments(self) -> list[tuple[int, int]]:
-        """(start, end) of each run of model tokens (mask 1) in `token_ids`, in order: model
-        turn k's prompt is `token_ids[:start_k]`, its reply `token_ids[start_k:end_k]`."""
-        runs, start = [], None
-        for i, m in enumerate(self.completion_mask + [0]):
-            if m and start is None:
-                start = i
-            elif not m and start is not None:
-                runs.append((start, i))
-                start = None
-        return runs
-
-
-@dataclass
-class TrajectoryGroup:
-    """The G episodes of one env seed; GRPO compares rewards within it."""
-
-    seed: int
-    """Env seed shared by the group."""
-    trajectories: list[Trajectory]
-    """All members, failed ones included (see Trajectory.valid)."""
-
-    @property
-    def valid(self) -> list[Trajectory]:
-        return [t for t in self.trajectories if t.valid]
-
-
-# ---------------------------------------------------------------------------- chat tokenisation
-
-def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """Token ids of `messages` under the tokenizer's chat template."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                        add_generation_prompt=add_generation_prompt)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
-def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-
-
-def turn_end_text(tokenizer, messages: list[dict]) -> str:
-    """What the template writes after an assistant reply (ChatML: "<|im_end|>\\n")."""
-    text = chat_text(tokenizer, messages + [{"role": "assistant", "content": _SENTINEL}], False)
-    if _SENTINEL not in text:
-        raise RolloutError("the chat template dropped the assistant content; cannot find where an "
-                           "assistant turn ends")
-    return text[text.rindex(_SENTINEL) + len(_SENTINEL):]
-
-
-def env_suffix_ids(tokenizer, history_ids: list[int], messages: list[dict],
-                   new_messages: list[dict], reply_ids: list[int] | None = None) -> tuple[list[int], bool]:
-    """Tokens to append after a model turn: the turn's closing tokens, `new_messages`, the
-    generation prompt. Returns (ids, used_fallback).
-
-    `history_ids` are the tokens so far, ending with the model's reply; `messages` the
-    conversation so far, ending with that reply as an assistant message.
-
-    1. The turn-closing token (eos, "<|im_end|>") is added when the server's output lacks it.
-    2. Preferred: render the whole conversation (+ new messages + generation prompt) and take
-       the tokens after `history_ids` — valid when `history_ids` is a token prefix of that
-       rendering. A sampled reply is often not the canonical tokenisation of its own text
-       (or its text was cut mid-character), so the prefix often does not match. Then:
-    3. Fallback: tokenise, as text, only what the template adds after the reply (the rest of
-       the turn ending, the new messages, the generation prompt) and append it. With ChatML
-       every such piece starts after a special token, so no BPE merge crosses the boundary.
-    Step 2 tokenises the whole history (O(history) per turn: ~4 ms at 1.5k tokens, ~25 ms at
-    6k on one core); given the model's `reply_ids`, it is skipped when they are not the reply
-    text's own tokenisation: the prefix then (nearly) never matches, and the fallback is valid.
-    """
-    closing = turn_end_text(tokenizer, messages[:-1])
-    end_ids = tokenizer.encode(closing, add_special_tokens=False)
-    eos = end_ids[:1]  # the turn ending's first token: the end-of-turn token in ChatML-like templates
-    known = list(history_ids)
-    added: list[int] = []
-    if eos and known[-len(eos):] != eos:
-        added, known = list(eos), known + eos
-    if reply_ids is None or _canonical(tokenizer, messages[-1]["content"], reply_ids, eos):
-        full = render_ids(tokenizer, messages + new_messages, add_generation_prompt=True)
-        if full[:len(known)] == known:
-            return added + full[len(known):], False
-    previous = chat_text(tokenizer, messages, add_generation_prompt=False)
-    whole = chat_text(tokenizer, messages + new_messages, add_generation_prompt=True)
-    if not whole.startswith(previous):
-        raise RolloutError("the chat template re-renders earlier turns when a message is added; "
-                           "multi-turn token histories need an append-only template")
-    eos_text = tokenizer.decode(eos) if eos else ""
-    rest = closing[len(eos_text):] if eos_text and closing.startswith(eos_text) else closing
-    tail = tokenizer.encode(rest + whole[len(previous):], add_special_tokens=False)
-    return added + tail, True
-
-
-def _canonical(tokenizer, text: str, reply_ids: list[int], eos: list[int]) -> bool:
-    """Are the model's tokens (less a trailing eos) how the tokenizer itself splits `text`?"""
-    ids = reply_ids[:-len(eos)] if eos and reply_ids[-len(eos):] == eos else reply_ids
-    return tokenizer.encode(text, add_special_tokens=False) == list(ids)
-
 
 # ---------------------------------------------------------------------------- episodes
 
@@ -507,30 +345,6 @@ async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_si
             for seed in seeds))
     _log_summary(list(groups), ctx)
     return list(groups)
-
-
-def require_rewards(groups: Sequence[TrajectoryGroup]) -> None:
-    """Raise NoRewardError when every played episode lacks a reward (a task whose reward
-    functions return None for everything, or always raise), naming the first reason."""
-    played = [t for g in groups for t in g.trajectories if t.error is None]
-    if played and all(t.reward_error is not None for t in played):
-        raise NoRewardError(
-            f"none of the {len(played)} completions got a reward: {played[0].reward_error}. Try: check the task's "
-            "reward functions on a few completions by hand (a TRL reward function returns None where it does not "
-            "apply; at least one function must score each completion), and that they read columns the dataset has.")
-
-
-def rollout_stats(groups: Sequence[TrajectoryGroup]) -> dict:
-    """Counts and token totals of a batch of groups (for history rows and benchmarks)."""
-    trajs = [t for g in groups for t in g.trajectories]
-    prompt = sum(t.prompt_tokens for t in trajs)
-    cached = sum(t.cached_tokens for t in trajs)
-    return {"trajectories": len(trajs), "failed": sum(t.error is not None for t in trajs),
-            "truncated": sum(t.truncated for t in trajs),
-            "reward_errors": sum(t.reward_error is not None for t in trajs),
-            "completion_tokens": sum(sum(t.completion_mask) for t in trajs),
-            "prompt_tokens": prompt, "cached_tokens": cached,
-            "hit_rate": cached / prompt if prompt else None}
 
 
 def _log_summary(groups: list[TrajectoryGroup], ctx: _Ctx) -> None:

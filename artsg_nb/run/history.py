@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from ..files import write_atomic
-from ..rollout.groups import is_valid
+from ..rollout.trajectory import is_valid
 from ..serving.metrics import theoretical_hit_rate
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,8 @@ from ..view.plots import LiveTraining, load_rollouts, plot_training
 from ..serving.procs import RunDirLock
 from .released import train_released
 from .retention import prune_adapters
-from ..rollout.groups import collect_groups, require_rewards
+from ..rollout.groups import collect_groups
+from ..rollout.trajectory import require_rewards
 from .config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
                      check_resumable, config_record, resolve_release, resolve_schedule)
 from ..rollout.samples import constant_groups, read_samples, write_rollouts

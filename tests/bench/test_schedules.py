@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from artsg_nb.bench import compare_schedules
 from artsg_nb.bench.schedules import HELD_OUT_SEED
 from artsg_nb.serving.metrics import TURN_COLUMNS
-from artsg_nb.rollout.groups import Trajectory, TrajectoryGroup
+from artsg_nb.rollout.trajectory import Trajectory, TrajectoryGroup
 
 
 class FakeRun:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from artsg_nb import GRPORun, RunConfig
 from artsg_nb.engines.errors import AdminTimeoutError
-from artsg_nb.rollout.groups import rollout_stats
+from artsg_nb.rollout.trajectory import rollout_stats
 
 SHAPES = ("naive", "prefix", "n", "n_native")
 SEEDS = list(range(10_000, 10_016))  # held-out groups, the same for every shape

@@ -17,7 +17,7 @@
 #   .whl-unsloth-extra/*.whl       -> /tmp/unsloth-extra-site  (torchao, optional)
 #   .whl-tms/*.whl                 -> /tmp/tms-site   (torch_memory_saver: SGLang --enable-memory-saver;
 #                                     appended to the server's PYTHONPATH, not the kernel's)
-#   .whl-extra/*.whl               -> /tmp/extra-site (kernel side: gguf, tyro, ... from
+#   .whl-extra/*.whl               -> /tmp/extra-site (kernel side: gguf, ... from
 #                                     tools/gpu/extra-wheels.txt)
 #   .whl-router/*.whl              -> /tmp/router-site (kernel side: sglang-router; needs .whl-web)
 #   .whl-art/*.whl                 -> /tmp/art-site (kernel side: openpipe-art for artsg_nb.art; needs

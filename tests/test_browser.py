@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,10 @@ class Lab:
         with urllib.request.urlopen(req, timeout=10) as resp:
             body = resp.read()
         return json.loads(body) if body else None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        log = self.root.parent / "jupyterlab.log"
+        return log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
 
 
 def free_port() -> int:
@@ -134,13 +139,25 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 15) -> None:
 
 
 def wait_kernel_idle(lab: Lab, timeout_s: float = 60) -> dict:
+    """Poll /api/kernels until every kernel is idle. While a kernel is still starting, jupyter_server
+    can answer that listing 500: the kernel is listed before its start returns, but kernel_model reads
+    `last_activity` / `execution_state`, set only after it (an AttributeError; CI hit it at bed33b1).
+    So a 5xx is polled through, and a real failure ends with JupyterLab's log."""
     deadline = time.monotonic() + timeout_s
+    last = None
     while time.monotonic() < deadline:
-        kernels = lab.api("kernels")
+        try:
+            kernels = last = lab.api("kernels")
+        except urllib.error.HTTPError as err:
+            if err.code < 500:
+                raise
+            last = f"HTTP {err.code} from /api/kernels"
+            kernels = None
         if kernels and all(k["execution_state"] == "idle" for k in kernels):
             return kernels[0]
         time.sleep(0.5)
-    pytest.fail(f"the kernel was not idle within {timeout_s} s: {lab.api('kernels')}")
+    pytest.fail(f"the kernel was not idle within {timeout_s} s (last answer: {last}); JupyterLab's log:\n"
+                f"{lab.log_tail()}")
 
 
 def run_cells(page, last: int) -> None:

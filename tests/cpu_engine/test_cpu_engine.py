@@ -553,6 +553,46 @@ def test_flush_route_answers_like_sglang_when_the_engine_is_busy(cpu_engine_mode
     assert len(refusals) > 2 and refusals[-1] - refusals[1] >= 0.25  # it kept asking until the timeout
 
 
+def test_release_memory_is_refused_while_a_request_runs(cpu_engine_model_dir):
+    """SGLang asserts its scheduler is idle on /release_memory_occupation; the CPU engine answers
+    that refusal instead. Stepped by hand like the flush test above: over HTTP a 120-token request
+    on the tiny model can finish before the release arrives (the race test_client_memory had)."""
+    import asyncio
+
+    from artsg_nb.cpu_engine.__main__ import parse_args
+    from artsg_nb.cpu_engine.engine import Engine
+    from artsg_nb.cpu_engine.memory import OccupationError
+    from artsg_nb.cpu_engine.metrics import EngineMetrics
+    from artsg_nb.cpu_engine.model import ModelRunner
+    from artsg_nb.cpu_engine.request import Request
+    from artsg_nb.cpu_engine.sampling import RequestSampling
+    from artsg_nb.cpu_engine.scheduler import Scheduler, SchedulerConfig
+
+    engine = Engine(parse_args(["--model-path", str(cpu_engine_model_dir), "--enable-memory-saver"]))
+    scheduler = engine.scheduler = Scheduler(ModelRunner(str(cpu_engine_model_dir)), SchedulerConfig(),
+                                             EngineMetrics("m"))  # never started: this test steps it
+    finished = []
+    params = RequestSampling(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    scheduler.submit([Request(input_ids=PROMPT, params=params, on_event=lambda r, done: done and finished.append(r))])
+    scheduler._round()
+    assert scheduler.batch.reqs and not finished
+
+    async def release_between_rounds() -> None:
+        release = asyncio.ensure_future(engine.release_memory(["kv_cache"]))
+        await asyncio.sleep(0)  # its command is in the scheduler's inbox
+        scheduler._round()  # the command runs between this round's steps
+        await release
+
+    with pytest.raises(OccupationError, match="only when server is idle"):
+        asyncio.run(release_between_rounds())
+    assert engine.memory.released == set()
+    while not finished:
+        scheduler._round()
+    assert len(finished[0].output_ids) == 8  # the refusal left the request running to its end
+    asyncio.run(release_between_rounds())
+    assert engine.memory.released == {"kv_cache"} and scheduler.cache.total_tokens == 0
+
+
 def test_memory_routes_without_memory_saver_answer_like_sglang(engine):
     """No --enable-memory-saver: SGLang answers 200 with a null body and frees nothing, but a
     kv_cache release still flushes the radix cache; generation keeps working."""

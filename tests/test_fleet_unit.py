@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from artsg_nb.engines import AdapterExistsError, UnknownAdapterError
-from artsg_nb.serving.fleet import Fleet, FleetClient, _Counters, fleet_configs
+from artsg_nb.serving import fleet as fleet_module
+from artsg_nb.serving.fleet import Fleet, FleetClient, _Counters, fleet_configs, gpu_lanes
 from artsg_nb.serving.gpus import GpuInfo, plan_gpus
 from artsg_nb.serving.server import ServerConfig, ServerStartError
 
@@ -141,3 +142,59 @@ def test_one_config_per_server_with_its_gpu_and_tp_flag(tmp_path):
     assert configs[1].extra_args == ("--x", "--tp-size", "2")
     shared = fleet_configs(base, plan_gpus(gpus[:1], num_servers=2))
     assert [c.resolved_mem_fraction() for c in shared] == [0.35, 0.35] and shared[0].extra_args == ("--x",)
+
+
+# ---- start order: workers sharing a GPU start in turn ----------------------------------------
+class TimedStart:
+    """A worker whose start takes a while and records when it ran."""
+
+    def __init__(self, config, log):
+        self.config, self.log = config, log
+
+    def start(self, reap=True):
+        import time
+
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        self.log.append((self, t0, time.monotonic()))
+        return self
+
+
+def timed_fleet(tmp_path, monkeypatch, plan):
+    configs = fleet_configs(ServerConfig(engine="sglang", model_path=str(tmp_path), run_dir=str(tmp_path)), plan)
+    fleet, log = Fleet(configs, tmp_path), []
+    fleet.servers = [TimedStart(c, log) for c in configs]
+    monkeypatch.setattr(fleet, "_adopt_workers", lambda: None)
+    monkeypatch.setattr(fleet, "_start_router", lambda: None)
+    monkeypatch.setattr(fleet_module.procs, "reap_orphans", lambda: None)
+    return fleet, log
+
+
+def overlap(a, b) -> bool:
+    return a[1] < b[2] and b[1] < a[2]
+
+
+def test_workers_sharing_a_gpu_start_one_after_another(tmp_path, monkeypatch):
+    """Started together, two SGLang servers on one GPU each counted the other's memory as free
+    and the second found no room for its KV cache (the colocated fleet fault test, H200 at 7de1b1f)."""
+    fleet, log = timed_fleet(tmp_path, monkeypatch, plan_gpus([h200(0)], num_servers=2))
+    assert [len(lane) for lane in gpu_lanes(fleet.servers)] == [2]
+    fleet.start()
+    assert len(log) == 2 and not overlap(*log) and [e[0] for e in log] == fleet.servers
+
+
+def test_workers_on_their_own_gpus_still_start_side_by_side(tmp_path, monkeypatch):
+    fleet, log = timed_fleet(tmp_path, monkeypatch, plan_gpus([h200(i) for i in range(4)], num_servers=2))
+    assert [len(lane) for lane in gpu_lanes(fleet.servers)] == [1, 1]
+    fleet.start()
+    assert len(log) == 2 and overlap(*log)
+
+
+def test_cpu_engines_have_a_lane_each(tmp_path):
+    configs = fleet_configs(ServerConfig(engine="cpu", model_path=str(tmp_path), run_dir=str(tmp_path)),
+                            plan_gpus([], num_servers=3))
+    assert [len(lane) for lane in gpu_lanes(Fleet(configs, tmp_path).servers)] == [1, 1, 1]
+
+
+def h200(i: int) -> GpuInfo:
+    return GpuInfo(i, "NVIDIA H200", f"GPU-{i}", 143771.0, 512.0)

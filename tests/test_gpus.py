@@ -208,3 +208,29 @@ def test_explicit_servers_ranks_and_tensor_parallel():
     # the single-server plans stay as they were: server_groups empty, for_server is the plan itself
     one = plan_gpus(h200s(4))
     assert one.server_groups == () and one.for_server(0) is one and one.num_servers == 1
+
+
+# ---- launch_mem_fraction: a share of the total, re-expressed over what is free ---------------
+def test_a_second_server_on_one_gpu_gets_its_share_of_the_total_not_of_what_is_left():
+    """SGLang 0.5.14 sizes its KV cache as free-after-load - (1 - f) x free-at-start: the second of
+    two servers planned at 0.35 of an H200 gets f over the ~65 % left, and its budget is then the
+    planned 0.35 x total (at raw 0.35 it had none on the H200 at 7de1b1f)."""
+    total = 143771.0
+    empty, first = h200s(1), [GpuInfo(0, "NVIDIA H200", "GPU-0000", total, 512.0 + 0.35 * total)]
+    assert gpus.launch_mem_fraction(0.35, (0,), empty) == pytest.approx(0.35 * total / (total - 512), abs=1e-4)
+    f = gpus.launch_mem_fraction(0.35, (0,), first)
+    free_at_start = first[0].mem_free_mib
+    assert f == pytest.approx(0.5414, abs=1e-4) and free_at_start * f == pytest.approx(0.35 * total, rel=1e-3)
+    assert free_at_start * 0.35 < 0.35 * total * 0.66  # what the raw share would have left it
+
+
+def test_a_share_that_does_not_fit_in_the_free_memory_is_refused_with_what_to_try():
+    full = [GpuInfo(0, "NVIDIA H200", "GPU-0000", 143771.0, 0.8 * 143771.0)]
+    with pytest.raises(gpus.GpuMemoryError, match=r"GPU 0 has 28\.1 GiB free of 140\.4 GiB.*needs 49\.1 GiB.*fewer num_servers"):
+        gpus.launch_mem_fraction(0.35, (0,), full)
+
+
+def test_the_tightest_gpu_decides_and_unknown_gpus_leave_the_share():
+    pair = [GpuInfo(0, "NVIDIA H200", "GPU-0000", 1000.0, 0.0), GpuInfo(1, "NVIDIA H200", "GPU-0001", 1000.0, 500.0)]
+    assert gpus.launch_mem_fraction(0.3, (0, 1), pair) == 0.6
+    assert gpus.launch_mem_fraction(0.3, (7,), pair) == 0.3

@@ -501,3 +501,26 @@ def test_start_bar_ends_green_on_success_and_red_on_failure(ok, style, capsys):
     _end_bar(bar, ok=ok)
     bar.close()
     assert bar.container.children[1].bar_style == style
+
+
+def test_an_sglang_server_beside_another_is_launched_with_its_share_of_the_total(monkeypatch, tmp_path):
+    """SGLang counts --mem-fraction-static from the memory free at its start; vLLM's
+    --gpu-memory-utilization and the CPU engine's flag count from the total (or nothing)."""
+    from artsg_nb.serving import gpus
+
+    total = 143771.0
+    half_taken = [GpuInfo(0, "NVIDIA H200", "GPU-0", total, 512.0 + 0.35 * total)]
+    monkeypatch.setattr(gpus, "list_gpus", lambda: half_taken)
+    plan = plan_gpus(half_taken, num_servers=2).for_server(1)
+
+    def launched_fraction(engine: str) -> str | None:
+        cfg = ServerConfig(engine=engine, model_path=str(tmp_path), run_dir=str(tmp_path), gpu_plan=plan)
+        cmd = build_command(server.Server(cfg)._launch_config(), "py", 1)
+        flag = {"sglang": "--mem-fraction-static", "vllm": "--gpu-memory-utilization"}.get(engine)
+        return cmd[cmd.index(flag) + 1] if flag in cmd else None
+
+    assert launched_fraction("sglang") == "0.5414"  # 0.35 x total over the 64.6 % free
+    assert launched_fraction("vllm") == "0.35"
+    monkeypatch.setattr(gpus, "list_gpus", lambda: [GpuInfo(0, "NVIDIA H200", "GPU-0", total, 0.9 * total)])
+    with pytest.raises(ServerStartError, match="sglang server not started: GPU 0 has 14.0 GiB free"):
+        launched_fraction("sglang")

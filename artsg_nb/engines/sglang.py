@@ -395,7 +395,7 @@ SPEC = EngineSpec(
     name="sglang", client_class=SGLangClient, entry="sglang.launch_server", package="sglang",
     chat_token_ids=CHAT_TOKEN_IDS, raw=RAW,
     launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER, lora_n_problem=lora_n_problem,
-    auth_probe="/model_info", tp_flag="--tp-size",
+    auth_probe="/model_info", tp_flag="--tp-size", mem_fraction_of="free",
     python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",
     conda_env="artsg-server", venv_dir=".venv-server",
     create_commands=("conda env create -f environment-server.yml", "make server-env"),

@@ -91,6 +91,12 @@ class EngineSpec:
     OpenAI client's `extra_body`; art.convert reads them back). SGLang 0.5.14: `return_meta_info`
     (`meta_info.output_token_logprobs` as [logprob, id, text] when logprobs are asked for) and
     `return_prompt_token_ids`; both refused on streamed requests. vLLM: `return_token_ids`."""
+    mem_fraction_of: str = "total"
+    """What the memory-fraction flag is a fraction of: "total" (vLLM's --gpu-memory-utilization) or
+    "free" (SGLang 0.5.14's --mem-fraction-static: KV budget = memory free after loading the weights
+    minus (1 - f) x the memory free when the process started, model_runner_kv_cache_mixin.py
+    `_profile_available_bytes`). With "free", a server sharing its GPU is launched with the plan's
+    share of the total re-expressed over what is free at that moment (gpus.launch_mem_fraction)."""
     lora_n_problem: Callable[[dict], str | None] = lambda info: None
     """(the server's /server_info) → why native `n > 1` sampling under a LoRA adapter is unsafe on
     that server, or None. SGLang up to at least 0.5.14 miscounts the adapter's references for such a

@@ -134,12 +134,15 @@ class Fleet:
 
     def start(self) -> "Fleet":
         """Adopt the workers a dead kernel left running (after a kernel restart: no cold
-        start), launch the others with the same key, then start a router in front of them."""
+        start), launch the others with the same key, then start a router in front of them.
+        Workers on different GPUs start side by side; workers sharing a GPU one after another
+        (gpu_lanes), so each measures the memory the ones before it took."""
         try:
             self._adopt_workers()
             procs.reap_orphans()  # the dead kernels' other servers and router, now that ours are owned
-            with ThreadPoolExecutor(len(self.servers)) as pool:  # each waits for its /health: minutes on a GPU
-                for future in [pool.submit(s.start, reap=False) for s in self.servers]:
+            lanes = gpu_lanes(self.servers)
+            with ThreadPoolExecutor(len(lanes)) as pool:  # each waits for its /health: minutes on a GPU
+                for future in [pool.submit(_start_in_turn, lane) for lane in lanes]:
                     future.result()
             self._start_router()
         except BaseException:
@@ -330,6 +333,33 @@ class FleetClient:
 def start_fleet(configs: Sequence[ServerConfig], run_dir: str | Path, policy: str = "cache_aware") -> Fleet:
     """Start every server of `configs` and, above one, a router in front of them."""
     return Fleet(configs, run_dir, policy).start()
+
+
+def gpu_lanes(servers: Sequence[Server]) -> list[list[Server]]:
+    """Workers grouped so that two sharing a GPU are in one lane (started in turn) and lanes
+    share none (started side by side). A server measures free GPU memory when it starts (SGLang
+    0.5.14 sizes its KV cache from it), so two starting together on one GPU each count the other's
+    memory as free, and the second fails or takes the first's (H200 at 7de1b1f: the colocated
+    fleet test). Workers without GPUs (the CPU engine) get a lane each."""
+    lanes: list[tuple[set[int], list[Server]]] = []
+    for server in servers:
+        mine = set(getattr(server.config.gpu_plan, "server_gpus", ()) or ())
+        shared = [lane for lane in lanes if mine & lane[0]]
+        for lane in shared[1:]:  # a worker over two lanes' GPUs joins them
+            shared[0][0].update(lane[0])
+            shared[0][1].extend(lane[1])
+            lanes.remove(lane)
+        if shared:
+            shared[0][0].update(mine)
+            shared[0][1].append(server)
+        else:
+            lanes.append((mine, [server]))
+    return [members for _, members in lanes]
+
+
+def _start_in_turn(lane: Sequence[Server]) -> None:
+    for server in lane:
+        server.start(reap=False)
 
 
 def fleet_configs(base: ServerConfig, plan) -> list[ServerConfig]:

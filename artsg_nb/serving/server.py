@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from ..files import log_tail
 from .. import engines
-from . import procs
+from . import gpus, procs
 from ..engines import EngineClient
 from .procs import reap_orphans  # noqa: F401  (public here too)
 from .server_config import (TARGET_MODULES, ModelPathError, ServerConfig, ServerError, ignored_options,
@@ -232,8 +232,24 @@ class Server:
             return self.port  # a restart keeps the URL the client knows
         return procs.pick_free_port(host)
 
-    def _launch(self) -> None:
+    def _launch_config(self) -> ServerConfig:
+        """The config this launch runs: the planned memory share re-expressed over the memory free
+        on the server's GPUs now, for an engine that counts its fraction from there (SGLang)."""
         cfg = self.config
+        share, server_gpus = cfg.resolved_mem_fraction(), getattr(cfg.gpu_plan, "server_gpus", ())
+        if share is None or not server_gpus or cfg.spec.mem_fraction_of != "free":
+            return cfg
+        try:
+            fraction = gpus.launch_mem_fraction(share, server_gpus)
+        except gpus.GpuMemoryError as e:
+            raise ServerStartError(f"{cfg.engine} server not started: {e}") from e
+        if fraction != share:
+            log.info("%s: memory share %.2f of GPU %s is %.4f of its free memory now", cfg.engine, share,
+                     ",".join(map(str, server_gpus)), fraction)
+        return replace(cfg, mem_fraction=fraction)
+
+    def _launch(self) -> None:
+        cfg = self._launch_config()
         cmd = build_command(cfg, self.server_env.python, self.port)
         env = build_env(cfg, self.server_env.extra_env, self.api_key)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0

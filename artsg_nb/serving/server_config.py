@@ -66,8 +66,10 @@ class ServerConfig:
     max_loras_per_batch: int = 4
     """Adapters in one batch (SGLang --max-loras-per-batch, vLLM --max-loras)."""
     mem_fraction: float | None = None
-    """Share of the GPU for weights + KV cache (SGLang --mem-fraction-static, vLLM
-    --gpu-memory-utilization); None takes gpu_plan.server_mem_fraction, else the engine default."""
+    """Share of the GPU's total memory for weights + KV cache (vLLM --gpu-memory-utilization; SGLang
+    --mem-fraction-static, re-expressed at launch over the memory free then, because SGLang counts
+    from that: EngineSpec.mem_fraction_of); None takes gpu_plan.server_mem_fraction, else the
+    engine default."""
     gpu_plan: "GpuPlan | None" = None
     """A gpus.GpuPlan: gives the server its CUDA_VISIBLE_DEVICES. None inherits the kernel's."""
     api_key: str | None = "auto"

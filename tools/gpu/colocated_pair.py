@@ -40,7 +40,7 @@ def kv_line(server: Server) -> str | None:
 
 async def one_request(server: Server) -> int:
     async with server.client() as client:
-        gens = await client.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=4, temperature=0.0))
+        gens = await client.generate([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     return len(gens[0].output_ids)
 
 

@@ -49,6 +49,9 @@
 #   faults-sglang  the engine-parametrised fault tests (security, loop, fleet restart) against real SGLang
 #               (ARTSG_TEST_ENGINES=sglang; FAULTS_FILES, FAULTS_K override); needs .whl-router for the fleet.
 #               faults-sglang-loop: the loop file alone; faults-sglang-other: the other two (two lanes)
+#   colocated-pair  tools/gpu/colocated_pair.py: two SGLang workers of a colocated fleet on this GPU started
+#               as Fleet.start does (in turn, each at its share of the total over the free memory), no router;
+#               both must answer a request ($OUT/colocated_pair.json; worker logs under $OUT/pair)
 #   art-tiny    notebooks/05 on the shipped tiny model and SGLang: counts trajectories left out for token
 #               ids the server did not send (needs the art, art-polars, web and kernel sets)
 set -uo pipefail
@@ -112,6 +115,9 @@ for p in "$@"; do
                  phase "$p" 560 env ARTSG_TEST_ENGINES=sglang ARTSG_TINY_MODEL=$PWD/artsg_nb/models/shipped/tiny-s0-p800 \
                    python3 -m pytest -p no:cacheprovider -q -rA -m faults ${FAULTS_K:+-k "$FAULTS_K"} ${FAULTS_FILES:-$FILES}
                  grep -E '^faults:|passed|failed|^(PASSED|FAILED|ERROR) ' "$OUT/$p.log" | tail -30 | cut -c1-200 | sed 's/^/    /' ;;
+    colocated-pair) phase colocated-pair 400 python3 tools/gpu/colocated_pair.py --model $PWD/artsg_nb/models/shipped/tiny-s0-p800 \
+                   --run-dir "$OUT/pair" --out "$OUT/colocated_pair.json"
+                 grep -E '^(PASS|FAIL) |^\{' "$OUT/colocated-pair.log" | cut -c1-400 | sed 's/^/    /' ;;
     art-tiny)    phase art-tiny 400 env ARTSG_TINY_MODEL=$PWD/artsg_nb/models/shipped/tiny-s0-p800 python3 -m papermill \
                    notebooks/05_art_drop_in.ipynb "$OUT/05_art_tiny.ipynb" -p RUN_DIR /tmp/runs/art-tiny --cwd notebooks --log-output
                  echo "    trajectories left out for unknown token ids: $(grep -c 'left out: their token ids' "$OUT/art-tiny.log")"

@@ -522,5 +522,4 @@ def test_an_sglang_server_beside_another_is_launched_with_its_share_of_the_total
     assert launched_fraction("sglang") == "0.5414"  # 0.35 x total over the 64.6 % free
     assert launched_fraction("vllm") == "0.35"
     monkeypatch.setattr(gpus, "list_gpus", lambda: [GpuInfo(0, "NVIDIA H200", "GPU-0", total, 0.9 * total)])
-    with pytest.raises(ServerStartError, match="sglang server not started: GPU 0 has 14.0 GiB free"):
-        launched_fraction("sglang")
+    assert launched_fraction("sglang") == "0.35"  # no room for its share: it starts smaller, with a warning

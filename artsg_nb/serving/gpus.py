@@ -273,10 +273,6 @@ MAX_LAUNCH_FRACTION = 0.95
 """The largest fraction of a GPU's free memory a server is launched with (room for its CUDA context)."""
 
 
-class GpuMemoryError(RuntimeError):
-    """A server's planned share of its GPU does not fit in the memory free on it."""
-
-
 def launch_mem_fraction(share: float, server_gpus: Sequence[int], gpus: Sequence[GpuInfo] | None = None) -> float:
     """`share` of the total memory of `server_gpus`, as a fraction of what is free on them now.
 
@@ -285,7 +281,10 @@ def launch_mem_fraction(share: float, server_gpus: Sequence[int], gpus: Sequence
     fleet; a worker restarted beside a live one) share x free would leave that server less than the
     plan gives it, and 0.35 for the second of two servers leaves SGLang no KV cache at all
     ("Loaded weights leave no GPU memory for the KV cache", H200 at 7de1b1f). Across several GPUs
-    the one with the least free memory decides. GPUs NVML does not show leave `share` unchanged."""
+    the one with the least free memory decides. GPUs NVML does not show leave `share` unchanged, and
+    so does a share that no longer fits in what is free (a restart beside a trainer whose allocator
+    holds more than the plan gave it): the server then starts smaller, as it did before, with a
+    warning that says how to give it its share."""
     by_index = {g.index: g for g in (list_gpus() if gpus is None else gpus)}
     mine = [by_index[i] for i in server_gpus if i in by_index and by_index[i].mem_total_mib > 0]
     if not mine:
@@ -293,10 +292,12 @@ def launch_mem_fraction(share: float, server_gpus: Sequence[int], gpus: Sequence
     tightest = min(mine, key=lambda g: g.mem_free_mib / g.mem_total_mib)
     need_mib, free_mib = share * tightest.mem_total_mib, max(tightest.mem_free_mib, 0.0)
     if need_mib > MAX_LAUNCH_FRACTION * free_mib:
-        raise GpuMemoryError(
-            f"GPU {tightest.index} has {free_mib / 1024:.1f} GiB free of {tightest.mem_total_mib / 1024:.1f} GiB; "
-            f"a server planned at {share:.2f} of it needs {need_mib / 1024:.1f} GiB. Try: a smaller "
-            "server_mem_fraction or fewer num_servers on this GPU, or free it (nvidia-smi shows who holds it).")
+        log.warning("GPU %d has %.1f GiB free of %.1f GiB; a server planned at %.2f of it needs %.1f GiB, so it "
+                    "starts with %.2f of what is free (%.1f GiB). Try: torch.cuda.empty_cache() in the kernel, a "
+                    "smaller server_mem_fraction or fewer num_servers, or free the GPU (nvidia-smi shows who holds it).",
+                    tightest.index, free_mib / 1024, tightest.mem_total_mib / 1024, share, need_mib / 1024, share,
+                    share * free_mib / 1024)
+        return share
     return round(need_mib / free_mib, 4)
 
 

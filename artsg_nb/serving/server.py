@@ -239,10 +239,7 @@ class Server:
         share, server_gpus = cfg.resolved_mem_fraction(), getattr(cfg.gpu_plan, "server_gpus", ())
         if share is None or not server_gpus or cfg.spec.mem_fraction_of != "free":
             return cfg
-        try:
-            fraction = gpus.launch_mem_fraction(share, server_gpus)
-        except gpus.GpuMemoryError as e:
-            raise ServerStartError(f"{cfg.engine} server not started: {e}") from e
+        fraction = gpus.launch_mem_fraction(share, server_gpus)
         if fraction != share:
             log.info("%s: memory share %.2f of GPU %s is %.4f of its free memory now", cfg.engine, share,
                      ",".join(map(str, server_gpus)), fraction)

@@ -146,24 +146,31 @@ def test_one_config_per_server_with_its_gpu_and_tp_flag(tmp_path):
 
 # ---- start order: workers sharing a GPU start in turn ----------------------------------------
 class TimedStart:
-    """A worker whose start takes a while and records when it ran."""
+    """A worker whose start takes a while and records when it ran; `meet` (a Barrier) makes the
+    workers wait for each other inside start, so started one after another they cannot pass it."""
 
-    def __init__(self, config, log):
-        self.config, self.log = config, log
+    def __init__(self, config, log, meet=None):
+        self.config, self.log, self.meet = config, log, meet
 
     def start(self, reap=True):
         import time
 
         t0 = time.monotonic()
-        time.sleep(0.3)
+        if self.meet is not None:
+            self.meet.wait()
+        else:
+            time.sleep(0.3)  # started together, two such starts would overlap
         self.log.append((self, t0, time.monotonic()))
         return self
 
+    def stop(self, timeout_s=10.0):
+        pass
 
-def timed_fleet(tmp_path, monkeypatch, plan):
-    configs = fleet_configs(ServerConfig(engine="sglang", model_path=str(tmp_path), run_dir=str(tmp_path)), plan)
+
+def timed_fleet(tmp_path, monkeypatch, plan, meet=None, engine="sglang"):
+    configs = fleet_configs(ServerConfig(engine=engine, model_path=str(tmp_path), run_dir=str(tmp_path)), plan)
     fleet, log = Fleet(configs, tmp_path), []
-    fleet.servers = [TimedStart(c, log) for c in configs]
+    fleet.servers = [TimedStart(c, log, meet) for c in configs]
     monkeypatch.setattr(fleet, "_adopt_workers", lambda: None)
     monkeypatch.setattr(fleet, "_start_router", lambda: None)
     monkeypatch.setattr(fleet_module.procs, "reap_orphans", lambda: None)
@@ -184,16 +191,21 @@ def test_workers_sharing_a_gpu_start_one_after_another(tmp_path, monkeypatch):
 
 
 def test_workers_on_their_own_gpus_still_start_side_by_side(tmp_path, monkeypatch):
-    fleet, log = timed_fleet(tmp_path, monkeypatch, plan_gpus([h200(i) for i in range(4)], num_servers=2))
+    import threading
+
+    both_inside = threading.Barrier(2, timeout=10)  # broken (an error) if one waited for the other's end
+    fleet, log = timed_fleet(tmp_path, monkeypatch, plan_gpus([h200(i) for i in range(4)], num_servers=2), both_inside)
     assert [len(lane) for lane in gpu_lanes(fleet.servers)] == [1, 1]
     fleet.start()
-    assert len(log) == 2 and overlap(*log)
+    assert len(log) == 2
 
 
-def test_cpu_engines_have_a_lane_each(tmp_path):
+def test_cpu_engines_have_a_lane_each_and_planless_gpu_workers_share_one(tmp_path):
     configs = fleet_configs(ServerConfig(engine="cpu", model_path=str(tmp_path), run_dir=str(tmp_path)),
                             plan_gpus([], num_servers=3))
     assert [len(lane) for lane in gpu_lanes(Fleet(configs, tmp_path).servers)] == [1, 1, 1]
+    inherited = [ServerConfig(engine="sglang", model_path=str(tmp_path), run_dir=str(tmp_path / str(i))) for i in range(2)]
+    assert [len(lane) for lane in gpu_lanes(Fleet(inherited, tmp_path).servers)] == [2]  # the kernel's GPU, shared
 
 
 def h200(i: int) -> GpuInfo:

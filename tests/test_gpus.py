@@ -224,16 +224,24 @@ def test_a_second_server_on_one_gpu_gets_its_share_of_the_total_not_of_what_is_l
     assert free_at_start * 0.35 < 0.35 * total * 0.66  # what the raw share would have left it
 
 
-def test_a_share_that_no_longer_fits_starts_smaller_and_says_how_to_free_memory(caplog):
-    """A restart beside a trainer holding 80 % of the GPU: the server starts as it did before the
-    share was re-expressed (0.35 of what is free), never refused, and the warning says what to do."""
-    full = [GpuInfo(0, "NVIDIA H200", "GPU-0000", 143771.0, 0.8 * 143771.0)]
-    assert gpus.launch_mem_fraction(0.35, (0,), full) == 0.35
-    assert "GPU 0 has 28.1 GiB free of 140.4 GiB" in caplog.text and "needs 49.1 GiB" in caplog.text
+def test_a_share_that_no_longer_fits_gets_what_fits_and_says_how_to_free_memory(caplog):
+    """A restart beside a live worker (0.35) and a trainer (0.28): 51.9 GiB free, 49.1 GiB planned;
+    beside the 6 GiB reserve it gets 45.9 GiB, not 0.35 of what is free (18 GiB); with less free than
+    the reserve needs it gets 0.35 of the free memory, as before, never refused."""
+    total = 143771.0
+    crowded = [GpuInfo(0, "NVIDIA H200", "GPU-0000", total, 0.63 * total)]
+    f = gpus.launch_mem_fraction(0.35, (0,), crowded)
+    free = crowded[0].mem_free_mib
+    assert f * free == pytest.approx(free - gpus.LAUNCH_RESERVE_MIB, rel=1e-3) and f * free > 0.35 * free * 2
+    assert "GPU 0 has 51.9 GiB free of 140.4 GiB" in caplog.text and "starts with 45.9 GiB" in caplog.text
     assert "torch.cuda.empty_cache()" in caplog.text
+    nearly_full = [GpuInfo(0, "NVIDIA H200", "GPU-0000", total, total - 6.5 * 1024)]  # less than the reserve + share x free
+    assert gpus.launch_mem_fraction(0.35, (0,), nearly_full) == 0.35  # what it got before, never refused
+    assert gpus.launch_mem_fraction(0.35, (0,), [GpuInfo(0, "x", "u", total, total)]) == 0.35  # nothing free
 
 
 def test_the_tightest_gpu_decides_and_unknown_gpus_leave_the_share():
-    pair = [GpuInfo(0, "NVIDIA H200", "GPU-0000", 1000.0, 0.0), GpuInfo(1, "NVIDIA H200", "GPU-0001", 1000.0, 500.0)]
+    gib = 1024.0
+    pair = [GpuInfo(0, "NVIDIA H200", "GPU-0000", 100 * gib, 0.0), GpuInfo(1, "NVIDIA H200", "GPU-0001", 100 * gib, 50 * gib)]
     assert gpus.launch_mem_fraction(0.3, (0, 1), pair) == 0.6
     assert gpus.launch_mem_fraction(0.3, (7,), pair) == 0.3

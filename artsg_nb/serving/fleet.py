@@ -340,10 +340,11 @@ def gpu_lanes(servers: Sequence[Server]) -> list[list[Server]]:
     share none (started side by side). A server measures free GPU memory when it starts (SGLang
     0.5.14 sizes its KV cache from it), so two starting together on one GPU each count the other's
     memory as free, and the second fails or takes the first's (H200 at 7de1b1f: the colocated
-    fleet test). Workers without GPUs (the CPU engine) get a lane each."""
+    fleet test). Workers without GPUs (the CPU engine) get a lane each; GPU workers without a plan
+    inherit the kernel's GPUs and share one lane."""
     lanes: list[tuple[set[int], list[Server]]] = []
     for server in servers:
-        mine = set(getattr(server.config.gpu_plan, "server_gpus", ()) or ())
+        mine = _gpus_of(server.config)
         shared = [lane for lane in lanes if mine & lane[0]]
         for lane in shared[1:]:  # a worker over two lanes' GPUs joins them
             shared[0][0].update(lane[0])
@@ -355,6 +356,16 @@ def gpu_lanes(servers: Sequence[Server]) -> list[list[Server]]:
         else:
             lanes.append((mine, [server]))
     return [members for _, members in lanes]
+
+
+KERNEL_GPUS = -1
+"""gpu_lanes' name for the GPUs a server without a plan inherits from the kernel."""
+
+
+def _gpus_of(config: ServerConfig) -> set[int]:
+    if config.gpu_plan is not None:
+        return set(config.gpu_plan.server_gpus)
+    return set() if config.engine == "cpu" else {KERNEL_GPUS}
 
 
 def _start_in_turn(lane: Sequence[Server]) -> None:

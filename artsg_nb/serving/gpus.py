@@ -269,8 +269,10 @@ def plan_gpus(gpus: Sequence[GpuInfo] | None = None, server_mem_fraction: float 
                    server_groups=groups if num_servers > 1 or server_tp > 1 else (), server_tp=server_tp)
 
 
-MAX_LAUNCH_FRACTION = 0.95
-"""The largest fraction of a GPU's free memory a server is launched with (room for its CUDA context)."""
+LAUNCH_RESERVE_MIB = 6 * 1024
+"""Free memory a server launched by launch_mem_fraction always leaves outside its static share: what
+SGLang allocates beyond --mem-fraction-static (CUDA graphs, activations; NCCL buffers when tensor
+parallel), from the same free memory as the trainer's growth."""
 
 
 def launch_mem_fraction(share: float, server_gpus: Sequence[int], gpus: Sequence[GpuInfo] | None = None) -> float:
@@ -281,24 +283,31 @@ def launch_mem_fraction(share: float, server_gpus: Sequence[int], gpus: Sequence
     fleet; a worker restarted beside a live one) share x free would leave that server less than the
     plan gives it, and 0.35 for the second of two servers leaves SGLang no KV cache at all
     ("Loaded weights leave no GPU memory for the KV cache", H200 at 7de1b1f). Across several GPUs
-    the one with the least free memory decides. GPUs NVML does not show leave `share` unchanged, and
-    so does a share that no longer fits in what is free (a restart beside a trainer whose allocator
-    holds more than the plan gave it): the server then starts smaller, as it did before, with a
-    warning that says how to give it its share."""
+    the one with the least free memory decides; GPUs NVML does not show leave `share` unchanged.
+    Where the share no longer fits beside LAUNCH_RESERVE_MIB (a restart beside a trainer holding more
+    than its part), the server gets what fits, never less than `share` of what is free (what it got
+    before), with a warning that says how to give it its share.
+
+    NVML is read here, before the launch; SGLang reads it again after its imports. Memory taken in
+    between (the trainer loading beside it) makes the server smaller, the safe direction."""
     by_index = {g.index: g for g in (list_gpus() if gpus is None else gpus)}
     mine = [by_index[i] for i in server_gpus if i in by_index and by_index[i].mem_total_mib > 0]
     if not mine:
         return share
     tightest = min(mine, key=lambda g: g.mem_free_mib / g.mem_total_mib)
-    need_mib, free_mib = share * tightest.mem_total_mib, max(tightest.mem_free_mib, 0.0)
-    if need_mib > MAX_LAUNCH_FRACTION * free_mib:
-        log.warning("GPU %d has %.1f GiB free of %.1f GiB; a server planned at %.2f of it needs %.1f GiB, so it "
-                    "starts with %.2f of what is free (%.1f GiB). Try: torch.cuda.empty_cache() in the kernel, a "
-                    "smaller server_mem_fraction or fewer num_servers, or free the GPU (nvidia-smi shows who holds it).",
-                    tightest.index, free_mib / 1024, tightest.mem_total_mib / 1024, share, need_mib / 1024, share,
-                    share * free_mib / 1024)
+    need_mib, free_mib = share * tightest.mem_total_mib, tightest.mem_free_mib
+    if free_mib <= 0:
         return share
-    return round(need_mib / free_mib, 4)
+    room_mib = free_mib - LAUNCH_RESERVE_MIB
+    if need_mib > room_mib:
+        got_mib = max(room_mib, share * free_mib)
+        log.warning("GPU %d has %.1f GiB free of %.1f GiB; a server planned at %.2f of it needs %.1f GiB (+ %.0f GiB "
+                    "outside its share), so it starts with %.1f GiB. Try: torch.cuda.empty_cache() in the kernel, a "
+                    "smaller server_mem_fraction or fewer num_servers, or free the GPU (nvidia-smi shows who holds it).",
+                    tightest.index, free_mib / 1024, tightest.mem_total_mib / 1024, share, need_mib / 1024,
+                    LAUNCH_RESERVE_MIB / 1024, got_mib / 1024)
+        need_mib = got_mib
+    return round(max(share, need_mib / free_mib), 4)
 
 
 def require_gpu(gpus: Sequence[GpuInfo] | None = None) -> list[GpuInfo]:

@@ -24,6 +24,7 @@ server started with `enable_memory_saver=True`) — those are client calls.
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
 import signal
@@ -243,7 +244,9 @@ class Server:
         if fraction != share:
             log.info("%s: memory share %.2f of GPU %s is %.4f of its free memory now", cfg.engine, share,
                      ",".join(map(str, server_gpus)), fraction)
-        return replace(cfg, mem_fraction=fraction)
+        launch = copy.copy(cfg)  # not dataclasses.replace: __post_init__ would warn about the key again
+        launch.mem_fraction = fraction
+        return launch
 
     def _launch(self) -> None:
         cfg = self._launch_config()

@@ -62,11 +62,12 @@ def test_release_waits_until_running_requests_finish(run):
     async def scenario():
         client = run.client
         started = asyncio.Event()
-        long = asyncio.create_task(client.generate(
-            PROMPT, SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True), on_first_token=started))
-        await started.wait()  # running (the engine's refusal of a raw release now: test_cpu_engine.py)
+        long = asyncio.create_task(client.generate(  # ~0.4 s of decoding on 2 cores; the release follows in ms
+            PROMPT, SamplingParams(max_new_tokens=1000, temperature=0.0, ignore_eos=True), on_first_token=started))
+        await started.wait()  # running (the engine's refusal of a raw release: test_cpu_engine.py)
+        assert not long.done(), "the request ended before the release was asked: nothing to wait for"
         await client.release_memory(idle_timeout_s=60)
-        assert long.done() and len((await long)[0].output_ids) == 120, "released before the request finished"
+        assert long.done() and len((await long)[0].output_ids) == 1000, "released before the request finished"
         await client.resume_memory()
 
     asyncio.run(scenario())

@@ -8,7 +8,8 @@ plan gives two servers 0.35 of the GPU's memory each, one server 0.45), 16 group
 per step, 4 counted steps after a warm-up step. Prints the table (step time, rollout tokens/s,
 hit rate vs theoretical, each worker's share of prompt tokens) and writes every step to the CSV
 (default $OUT/scale_out.csv). On the H200 host: `bash tools/gpu/install.sh && bash
-tools/gpu/validate.sh models scale-out` (the router's wheel comes from .whl-extra, carried).
+tools/gpu/validate.sh models scale-out` (the router's wheels come from .whl-router with .whl-web; the
+SGLang bundle does not fit beside them in one carry, so install it in the call just before).
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@
 #               first request, run_dir on disk vs /dev/shm (issue 17's reload target), $OUT/reload.csv
 #   scale-out   GRPO steps with 1 then 2 SGLang servers on this GPU behind sglang-router (0.35 of its
 #               memory each), benchmarks/scale_out_gpu.py: step time, rollout tok/s, hit rate per
-#               worker, $OUT/scale_out.csv (needs sglang-router from .whl-extra)
+#               worker, $OUT/scale_out.csv (needs sglang-router: .whl-router + .whl-web)
 #   tiny        the CI tiny model only (/tmp/models/tiny)
 #   smollm2     SmolLM2-135M-Instruct built by `python -m artsg_nb.models` from the GGUF that install.sh
 #               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)

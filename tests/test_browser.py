@@ -174,11 +174,19 @@ def failed_cell_output(page) -> str:
     return "\n".join(errors.all_inner_texts())[-3000:]
 
 
-def server_record(lab: Lab) -> dict:
-    """The pid record the CPU engine server wrote in the notebook's run directory."""
-    records = list((lab.root / "runs").glob("*/cpu.server.json"))
-    assert records, f"no cpu.server.json under {lab.root / 'runs'}: did the server start?"
-    return json.loads(records[0].read_text())
+def server_record(lab: Lab, timeout_s: float, errors_shown=lambda: "") -> dict:
+    """The pid record the CPU engine server writes in the notebook's run directory, read as soon as
+    it appears (the stop cell, queued behind the others, removes it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in (lab.root / "runs").glob("*/cpu.server.json"):
+            try:
+                return json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):  # being written or already removed
+                pass
+        time.sleep(0.2)
+    pytest.fail(f"no cpu.server.json under {lab.root / 'runs'} within {timeout_s} s: did the server start? "
+                f"Errors shown:\n{errors_shown()}")
 
 
 def process_is(pid: int, create_time: float) -> bool:
@@ -197,10 +205,16 @@ def cell_containing(page, text: str):
 
 
 WATCH_LIVE_CELL = """() => {
-  // Every (step, image) pair the live cell renders, however fast the steps go.
+  // Every (step, image) pair the live cell renders, however fast the steps go, and every text
+  // the dashboard's engine row shows (the stop cell may already have run when the test looks).
   window.__artsgLive = [];
+  window.__artsgEngine = [];
   const seen = new Set();
   const record = () => {
+    for (const row of document.querySelectorAll('.artsg-dashboard .artsg-engine-row')) {
+      const text = row.textContent || '';
+      if (!window.__artsgEngine.includes(text)) window.__artsgEngine.push(text);
+    }
     for (const bar of document.querySelectorAll('.artsg-progress')) {
       const cell = bar.closest('.jp-CodeCell');
       const img = cell && cell.querySelector('.jp-OutputArea-output img');
@@ -231,6 +245,7 @@ def test_quickstart_runs_live_in_chromium(lab):
             wait_kernel_idle(lab)
             page.evaluate(WATCH_LIVE_CELL)
             run_cells(page, n_cells - 1)  # queued: the kernel runs them one after another
+            record = server_record(lab, CELLS_TIMEOUT_S, lambda: failed_cell_output(page))
             hit_rate = page.locator(".artsg-dashboard .artsg-hit-rate[data-value]")
             try:
                 hit_rate.wait_for(timeout=CELLS_TIMEOUT_S * 1000)
@@ -239,9 +254,9 @@ def test_quickstart_runs_live_in_chromium(lab):
                             f"errors shown:\n{failed_cell_output(page)}")
             dashboard = page.locator(".artsg-dashboard")
             assert dashboard.locator(".artsg-cpu-row, .artsg-gpu-row").count() >= 1
-            assert "running" in (dashboard.locator(".artsg-engine-row").text_content() or "")  # DOM text: an off-screen cell renders none
+            engine_rows = page.evaluate("window.__artsgEngine")  # DOM text: an off-screen cell renders none
+            assert any("running" in text for text in engine_rows), f"the engine row never said running: {engine_rows}"
             assert 0.0 <= float(hit_rate.get_attribute("data-value")) <= 1.0
-            record = server_record(lab)  # read while it runs: the stop removes it
 
             # The loop cell: its own image, redrawn after each step under the progress bar. Steps
             # can outrun any polling (0.05 s each on a fast CI box), so the page records every

@@ -336,36 +336,27 @@ def start_fleet(configs: Sequence[ServerConfig], run_dir: str | Path, policy: st
 
 
 def gpu_lanes(servers: Sequence[Server]) -> list[list[Server]]:
-    """Workers grouped so that two sharing a GPU are in one lane (started in turn) and lanes
-    share none (started side by side). A server measures free GPU memory when it starts (SGLang
-    0.5.14 sizes its KV cache from it), so two starting together on one GPU each count the other's
-    memory as free, and the second fails or takes the first's (H200 at 7de1b1f: the colocated
-    fleet test). Workers without GPUs (the CPU engine) get a lane each; GPU workers without a plan
-    inherit the kernel's GPUs and share one lane."""
-    lanes: list[tuple[set[int], list[Server]]] = []
-    for server in servers:
+    """Workers grouped by the GPUs they run on: one lane per GPU group (started in turn), lanes side
+    by side. A server measures free GPU memory when it starts (SGLang 0.5.14 sizes its KV cache
+    from it), so two starting together on one GPU each count the other's memory as free, and the
+    second fails or takes the first's (H200 at 7de1b1f: the colocated fleet test). A plan's server
+    groups are the same GPUs or disjoint ones, never partly shared. Workers without GPUs (the CPU
+    engine) get a lane each; GPU workers without a plan inherit the kernel's GPUs and share one."""
+    lanes: dict[frozenset[int] | int, list[Server]] = {}
+    for i, server in enumerate(servers):
         mine = _gpus_of(server.config)
-        shared = [lane for lane in lanes if mine & lane[0]]
-        for lane in shared[1:]:  # a worker over two lanes' GPUs joins them
-            shared[0][0].update(lane[0])
-            shared[0][1].extend(lane[1])
-            lanes.remove(lane)
-        if shared:
-            shared[0][0].update(mine)
-            shared[0][1].append(server)
-        else:
-            lanes.append((mine, [server]))
-    return [members for _, members in lanes]
+        lanes.setdefault(mine or i, []).append(server)  # no GPUs: a lane of its own
+    return list(lanes.values())
 
 
 KERNEL_GPUS = -1
 """gpu_lanes' name for the GPUs a server without a plan inherits from the kernel."""
 
 
-def _gpus_of(config: ServerConfig) -> set[int]:
+def _gpus_of(config: ServerConfig) -> frozenset[int]:
     if config.gpu_plan is not None:
-        return set(config.gpu_plan.server_gpus)
-    return set() if config.engine == "cpu" else {KERNEL_GPUS}
+        return frozenset(config.gpu_plan.server_gpus)
+    return frozenset() if config.engine == "cpu" else frozenset({KERNEL_GPUS})
 
 
 def _start_in_turn(lane: Sequence[Server]) -> None:

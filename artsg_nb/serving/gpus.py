@@ -298,16 +298,15 @@ def launch_mem_fraction(share: float, server_gpus: Sequence[int], gpus: Sequence
     need_mib, free_mib = share * tightest.mem_total_mib, tightest.mem_free_mib
     if free_mib <= 0:
         return share
-    room_mib = free_mib - LAUNCH_RESERVE_MIB
-    if need_mib > room_mib:
-        got_mib = max(room_mib, share * free_mib)
+    got_mib = need_mib
+    if need_mib > free_mib - LAUNCH_RESERVE_MIB:
+        got_mib = max(free_mib - LAUNCH_RESERVE_MIB, share * free_mib)
         log.warning("GPU %d has %.1f GiB free of %.1f GiB; a server planned at %.2f of it needs %.1f GiB (+ %.0f GiB "
                     "outside its share), so it starts with %.1f GiB. Try: torch.cuda.empty_cache() in the kernel, a "
                     "smaller server_mem_fraction or fewer num_servers, or free the GPU (nvidia-smi shows who holds it).",
                     tightest.index, free_mib / 1024, tightest.mem_total_mib / 1024, share, need_mib / 1024,
                     LAUNCH_RESERVE_MIB / 1024, got_mib / 1024)
-        need_mib = got_mib
-    return round(max(share, need_mib / free_mib), 4)
+    return round(max(share, got_mib / free_mib), 4)
 
 
 def require_gpu(gpus: Sequence[GpuInfo] | None = None) -> list[GpuInfo]:

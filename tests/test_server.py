@@ -526,3 +526,18 @@ def test_an_sglang_server_beside_another_is_launched_with_its_share_of_the_total
     assert launched_fraction("vllm") == "0.35"
     monkeypatch.setattr(gpus, "list_gpus", lambda: [GpuInfo(0, "NVIDIA H200", "GPU-0", total, total - 12 * 1024)])
     assert launched_fraction("sglang") == "0.5"  # no room for its share: the 6 of 12 GiB free that fit beside the reserve
+
+
+@pytest.mark.parametrize("key", ["-starts-with-a-dash", "plain_key-123"])
+def test_the_key_launcher_hands_any_key_to_an_argparse_program(tmp_path, key):
+    """secrets.token_urlsafe starts with '-' once in 64 keys; `--api-key -xyz` then reads to argparse
+    as a missing value and the program exits 2 (fresh-clone CI at d018595: sglang_router's
+    launch_router, in the fleet restart fault test). `--api-key=<key>` holds for every key."""
+    from artsg_nb.engines.spec import key_launcher
+
+    (tmp_path / "keyed_program.py").write_text(
+        "import argparse\np = argparse.ArgumentParser()\np.add_argument('--api-key')\nprint(p.parse_args().api_key)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "TEST_KEY": key}
+    done = subprocess.run([sys.executable, "-c", key_launcher("keyed_program", "TEST_KEY")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, key), done.stderr

@@ -110,12 +110,13 @@ class EngineSpec:
 
 
 def key_launcher(module: str, key_env: str) -> str:
-    """`python -c` code that runs `module` as __main__ with `--api-key <key>` appended to its
+    """`python -c` code that runs `module` as __main__ with `--api-key=<key>` appended to its
     sys.argv inside the process, the key taken (and removed) from the environment variable
     `key_env`. /proc/<pid>/cmdline, readable by every local user, shows the argv the process was
     started with, so it never holds the key. For programs that parse sys.argv in-process (SGLang's
     launch_server, sglang_router) and offer no key variable or file; plain code, so the target
-    environment needs nothing of ours."""
+    environment needs nothing of ours. One `=` argument, not two: argparse reads a separate value
+    that starts with '-' (one "auto" key in 64) as a missing one and the program exits 2."""
     return (f"import os, runpy, sys\nkey = os.environ.pop({key_env!r}, '')\n"
-            f"if key:\n    sys.argv += ['--api-key', key]\n"
+            f"if key:\n    sys.argv.append('--api-key=' + key)\n"
             f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")

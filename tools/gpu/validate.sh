@@ -41,6 +41,10 @@
 #               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)
 #   stepbench   python -m artsg_nb.bench.step: artsg_nb on SGLang vs TRL's GRPOTrainer, same job, 8 and
 #               256 new tokens (STEP_STEPS, default 6), $OUT/step.csv
+#   step-profile  tools/gpu/step_profile.py on SGLang, RunConfig defaults, 6 steps (PROFILE_STEPS) of 16 x 8 with 8
+#               new tokens on the shipped tiny model (PROFILE_MODEL: another model dir): every round trip per step by
+#               endpoint, server vs kernel time, the top 5 costs that are neither decoding nor training (issue 26),
+#               $OUT/step_profile.json
 #   byo         notebooks/04 (dataset task, TRL-style rewards, eval before/after) on SmolLM2, via papermill
 #   quickstart-smol  notebooks/01 on SmolLM2 (learning rate follows the model), via papermill
 #   art-smol    notebooks/05 (an ART rollout function trained through artsg_nb.art.SGLangBackend) on
@@ -96,6 +100,10 @@ for p in "$@"; do
     stepbench)   phase stepbench 560 python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL --max-new-tokens 8 256 \
                    --steps ${STEP_STEPS:-6} --groups 16 --group-size 8 --run-dir /tmp/runs/step --out "$OUT/step.csv"
                  grep -E 'artsg_nb|trl|ratio|x TRL|speed' "$OUT/stepbench.log" | tail -12 | cut -c1-220 | sed 's/^/    /' ;;
+    step-profile) phase step-profile 300 bash -c "rm -rf /tmp/runs/step-profile && python3 tools/gpu/step_profile.py --engine sglang \
+                   --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens 8 ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} \
+                   --run-dir /tmp/runs/step-profile --out $OUT/step_profile.json"
+                 sed -n '/^summary over steps/,$p' "$OUT/step-profile.log" | head -40 | cut -c1-200 | sed 's/^/    /' ;;
     byo)         phase byo 400 python3 -m papermill notebooks/04_bring_your_own_task.ipynb "$OUT/04_byo.ipynb" \
                    -p RUN_DIR /tmp/runs/byo -p MODEL $SMOL --cwd notebooks --log-output
                  grep -E 'eval reward|train reward|pass@1' "$OUT/byo.log" | tail -4 | cut -c1-220 | sed 's/^/    /' ;;

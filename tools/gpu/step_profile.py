@@ -1,0 +1,463 @@
+"""Profile GRPO steps end to end: every round trip to the server, the kernel's own work, the gaps.
+
+usage: python3 tools/gpu/step_profile.py [--engine sglang|cpu|auto] [--model-path DIR] [--steps 4]
+           [--groups-per-step 4] [--group-size 4] [--max-new-tokens N] [--task NAME]
+           [--run-dir D] [--out JSON]
+
+For issue 26 item 1 ("profile one step end to end and remove what is not decoding or training").
+Runs one `GRPORun` on RunConfig defaults (only the flags above change them) for `--steps` steps
+in one event loop and records, per step:
+
+  requests   every HTTP request the kernel sent (method, path, what a POST /generate was: rollout,
+             warm-up, score; start and end offsets, time to the response headers, body bytes
+             sent and received, how many samples it asked for), from a timing wrapper around the
+             httpx transport of each connection pool the engine client makes; the health
+             watchdog's polls are recorded apart (task "watchdog"), they overlap the step
+  spans      the kernel's synchronous work, timed by wrappers set on this run's objects:
+             train_step (training), trainer_score (the adapter check's trainer side),
+             save_adapter, tokenizer (chat template / encode / decode), write_rollouts,
+             history_write, prune_adapters, http_pools (the client making its httpx pools, once
+             per event loop); and the async phases rollouts, publish,
+             save_and_reload (save + publish + the served-adapter check)
+  stalls     event-loop stalls over 20 ms (a task sleeping 10 ms that woke late), and how much
+             of them no known synchronous span explains
+  phases     rollout_s, train_s, reload_s of the step's history row; verify_s (the served-adapter
+             check after the reload) and other_s (the rest of the wall time), measured here
+
+and splits the step's wall time into exclusive parts, each instant counted once: a rollout
+/generate in flight ("decoding"), else another request in flight (by endpoint), else a
+synchronous kernel span, else a kernel gap (Python, event loop, bookkeeping) named by the phase it
+falls in. It prints a compact timeline and table per step and a summary over the steps after the
+first (step 1 also publishes policy-step-0 and asks /server_info): round trips per step by endpoint
+and their seconds, the share of the step that is server time vs kernel time, and the top 5 costs
+that are neither decoding nor training. Everything goes to --out as JSON (rewritten after each
+step, so a run cut short keeps what it measured).
+
+What it does not do: look inside the server (its scheduler's time is the requests' time here),
+change what a step does (the wrappers only time; the run is the one a notebook runs), or profile
+the vLLM dialect's routes by kind (its requests are counted by path only). A request's time
+includes any moment the kernel was busy while its answer waited (the stalls say how much). The
+client is instrumented at each step's start: after a server restart within a step (the row's
+`restarts`) the rest of that step's requests go unseen. RunConfig.pipeline stays off (default).
+Package code is untouched: the seams are this run's instances (client, trainer, tokenizer,
+supervisor, history) and two names in `artsg_nb.run.session`, restored at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's artsg_nb first
+from artsg_nb import GRPORun, RunConfig  # noqa: E402
+from artsg_nb.run import session as session_module  # noqa: E402
+from artsg_nb.run.config import resolve_schedule  # noqa: E402
+
+ROLLOUT = "POST /generate rollout"
+TRAIN = "train_step"
+STALL_TICK_S, STALL_MIN_S = 0.010, 0.020
+SYNC_SPANS = ("train_step", "trainer_score", "save_adapter", "tokenizer", "write_rollouts", "history_write",
+              "prune_adapters", "http_pools")
+PHASES = {"publish": 3.0, "rollouts": 3.1, "save_and_reload": 3.2}  # innermost first when nested
+
+
+@dataclass
+class Request:
+    """One HTTP request as the transport saw it (perf_counter seconds)."""
+
+    method: str
+    path: str
+    t0: float
+    task: str
+    req_bytes: int
+    body: bytes | None = None  # /generate bodies, classified after the step (then dropped)
+    t_headers: float | None = None
+    t1: float | None = None
+    status: int | None = None
+    resp_bytes: int = 0
+    kind: str = ""
+    samples: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} {self.path}" + (f" {self.kind}" if self.kind else "")
+
+
+@dataclass
+class Recorder:
+    """What one step did; `take()` hands it over and starts the next step's record."""
+
+    requests: list[Request] = field(default_factory=list)
+    spans: list[dict] = field(default_factory=list)
+    stalls: list[tuple[float, float]] = field(default_factory=list)
+    depth: int = 0  # synchronous spans open now (a nested one is its parent's time)
+
+    def take(self) -> tuple[list[Request], list[dict], list[tuple[float, float]]]:
+        out = (self.requests, self.spans, self.stalls)
+        self.requests, self.spans, self.stalls = [], [], []
+        return out
+
+
+# ---- HTTP: a timing wrapper around each pool's transport ---------------------------------------
+class _CountedStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, req: Request):
+        self.inner, self.req = inner, req
+
+    async def __aiter__(self):
+        async for chunk in self.inner:
+            self.req.resp_bytes += len(chunk)
+            yield chunk
+        self.req.t1 = time.perf_counter()
+
+    async def aclose(self) -> None:
+        if self.req.t1 is None:
+            self.req.t1 = time.perf_counter()
+        await self.inner.aclose()
+
+
+class TimedTransport(httpx.AsyncBaseTransport):
+    """Records each request into the Recorder; the request and response pass through unchanged."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, rec: Recorder):
+        self.inner, self.rec = inner, rec
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        task = asyncio.current_task()
+        who = "watchdog" if task and "HealthWatchdog" in getattr(task.get_coro(), "__qualname__", "") else "step"
+        try:
+            body = request.content
+        except httpx.RequestNotRead:
+            body = b""
+        req = Request(request.method, request.url.path, time.perf_counter(), who, len(body),
+                      body=body if request.url.path == "/generate" else None)
+        self.rec.requests.append(req)
+        try:
+            resp = await self.inner.handle_async_request(request)
+        except BaseException:
+            req.t1, req.status = time.perf_counter(), -1
+            raise
+        req.t_headers, req.status = time.perf_counter(), resp.status_code
+        resp.stream = _CountedStream(resp.stream, req)
+        return resp
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def instrument_client(client, rec: Recorder) -> None:
+    """Wrap the transport of every pool the client makes (`EngineClient._client` makes them per
+    event loop, lazily): the one seam that sees every request, admin calls and SSE included."""
+    if getattr(client, "_profiled", False):
+        return
+    make_pool = client._client
+
+    def pool() -> httpx.AsyncClient:
+        before, t0 = client._pools, time.perf_counter()
+        c = make_pool()
+        if client._pools is not before:  # a new set of pools (first use, or a new event loop): timed
+            rec.spans.append({"name": "http_pools", "t0": t0, "t1": time.perf_counter(), "nested": rec.depth > 0})
+        if not isinstance(c._transport, TimedTransport):  # httpx keeps the pool's transport here
+            c._transport = TimedTransport(c._transport, rec)
+        return c
+
+    client._client, client._profiled = pool, True
+
+
+def classify(req: Request) -> None:
+    """A POST /generate (SGLang's native API, also the CPU engine's) by its body: `score` (the
+    served-adapter check, logprob_start_len), `warm-up` (no new tokens: the balanced n's prefill),
+    else `rollout`, with the samples it asks for (n, or the batch's length)."""
+    body, req.body = req.body, None
+    if body is None:
+        return
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return
+    params = payload.get("sampling_params") or {}
+    first = (params[0] if params else {}) if isinstance(params, list) else params
+    ids = payload.get("input_ids") or []
+    if "logprob_start_len" in payload:
+        req.kind = "score"
+    elif first.get("max_new_tokens") == 0:
+        req.kind = "warm-up"
+    else:
+        req.kind = "rollout"
+        req.samples = len(ids) if ids and isinstance(ids[0], list) else int(first.get("n", 1))
+
+
+# ---- kernel spans: wrappers on this run's objects ----------------------------------------------
+def _sync_span(rec: Recorder, name: str, fn):
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        rec.depth += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec.depth -= 1
+            rec.spans.append({"name": name, "t0": t0, "t1": time.perf_counter(), "nested": rec.depth > 0})
+    return timed
+
+
+def _async_span(rec: Recorder, name: str, fn):
+    async def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            rec.spans.append({"name": name, "t0": t0, "t1": time.perf_counter(), "nested": False})
+    return timed
+
+
+@contextlib.contextmanager
+def instrument_run(run: GRPORun, rec: Recorder):
+    """Time this run's parts by instance attributes (looked up at call time by session.py), and
+    two module-level names of session.py, put back on exit."""
+    trainer, tok = run.trainer, run.trainer.tokenizer
+    for obj, attr, name in [(trainer, "train_step", "train_step"), (trainer, "score_tokens", "trainer_score"),
+                            (run, "_save_fn", "save_adapter"), (run.history, "append", "history_write")]:
+        setattr(obj, attr, _sync_span(rec, name, getattr(obj, attr)))
+    for attr in ("apply_chat_template", "encode", "decode"):
+        try:  # best effort: a tokenizer class that refuses instance attributes is left untimed
+            setattr(tok, attr, _sync_span(rec, "tokenizer", getattr(tok, attr)))
+        except (AttributeError, TypeError) as e:
+            print(f"note: tokenizer.{attr} not timed ({e})", flush=True)
+    run._rollouts = _async_span(rec, "rollouts", run._rollouts)
+    run._save_and_reload = _async_span(rec, "save_and_reload", run._save_and_reload)
+    run.supervisor.publish = _async_span(rec, "publish", run.supervisor.publish)
+    saved = {n: getattr(session_module, n) for n in ("write_rollouts", "prune_adapters")}
+    for n, fn in saved.items():
+        setattr(session_module, n, _sync_span(rec, n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(session_module, n, fn)
+
+
+async def watch_loop(rec: Recorder) -> None:
+    """Record event-loop stalls: a 10 ms sleep that ends more than STALL_MIN_S late."""
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(STALL_TICK_S)
+        late = time.perf_counter() - t0 - STALL_TICK_S
+        if late > STALL_MIN_S:
+            rec.stalls.append((t0 + STALL_TICK_S, t0 + STALL_TICK_S + late))
+
+
+# ---- analysis ------------------------------------------------------------------------------------
+def covered_s(intervals, within=None) -> float:
+    """Length of the union of (t0, t1) intervals, clipped to `within` when given."""
+    lo, hi = within or (float("-inf"), float("inf"))
+    total, end = 0.0, float("-inf")
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
+
+
+def exclusive_parts(t0: float, t1: float, reqs: list[Request], spans: list[dict]) -> dict[str, float]:
+    """The step's wall time split so each instant counts once (module docstring for the order)."""
+    items = [(r.t0, r.t1, 0 if r.kind == "rollout" else 1, "server: " + r.label) for r in reqs]
+    items += [(s["t0"], s["t1"], 2, ("train: " if s["name"] == TRAIN else "kernel: ") + s["name"])
+              for s in spans if s["name"] in SYNC_SPANS and not s["nested"]]
+    items += [(s["t0"], s["t1"], PHASES[s["name"]], f"kernel gaps in {s['name']}")
+              for s in spans if s["name"] in PHASES]
+    cuts = sorted({t0, t1, *(x for a, b, *_ in items for x in (a, b) if t0 < x < t1)})
+    parts: dict[str, float] = defaultdict(float)
+    for a, b in zip(cuts, cuts[1:]):
+        live = [(prio, start, label) for start, end, prio, label in items if start <= a and end >= b]
+        parts[min(live)[2] if live else "kernel gaps elsewhere (step bookkeeping)"] += b - a
+    return dict(parts)
+
+
+def collapsed_timeline(t0: float, reqs: list[Request], spans: list[dict]) -> list[dict]:
+    """Requests and top-level synchronous spans in start order, runs of one label merged, each
+    with the kernel-only gap before it (nothing of the step in flight)."""
+    items = sorted([(r.t0, r.t1, r.label) for r in reqs] +
+                   [(s["t0"], s["t1"], s["name"]) for s in spans if s["name"] in SYNC_SPANS and not s["nested"]])
+    out, end = [], t0
+    for a, b, label in items:
+        gap = max(0.0, a - end)
+        if out and out[-1]["what"] == label and gap < 1e-3:
+            out[-1].update(n=out[-1]["n"] + 1, end_s=round(max(b - t0, out[-1]["end_s"]), 4))
+        else:
+            out.append({"what": label, "n": 1, "start_s": round(a - t0, 4), "end_s": round(b - t0, 4),
+                        "gap_before_s": round(gap, 4)})
+        end = max(end, b)
+    return out
+
+
+def analyse_step(step_no: int, t0: float, t1: float, row: dict, reqs, spans, stalls) -> dict:
+    for r in reqs:
+        classify(r)
+        r.t1 = r.t1 if r.t1 is not None else t1
+    mine = [r for r in reqs if r.task == "step"]
+    wall = t1 - t0
+    server = covered_s([(r.t0, r.t1) for r in mine], (t0, t1))
+    endpoints: dict[str, dict] = {}
+    for r in mine:
+        e = endpoints.setdefault(r.label, {"n": 0, "s": 0.0, "req_bytes": 0, "resp_bytes": 0, "samples": 0})
+        for key, value in (("n", 1), ("s", r.t1 - r.t0), ("req_bytes", r.req_bytes), ("resp_bytes", r.resp_bytes),
+                           ("samples", r.samples)):
+            e[key] += value
+    sync = [(s["t0"], s["t1"]) for s in spans if s["name"] in SYNC_SPANS and not s["nested"]]
+    stall_s = covered_s(stalls, (t0, t1))
+    unexplained = stall_s - covered_s([(max(a, c), min(b, d)) for a, b in stalls for c, d in sync])
+    save_reload = sum(s["t1"] - s["t0"] for s in spans if s["name"] == "save_and_reload")
+    phases = {k: row.get(k) for k in ("rollout_s", "train_s", "reload_s")}
+    phases["verify_s"] = max(0.0, save_reload - (row.get("reload_s") or 0.0)) if save_reload else None
+    phases["other_s"] = wall - sum(v or 0.0 for v in phases.values())
+    return {
+        "step": step_no, "wall_s": wall, "phases": phases, "server_s": server, "kernel_s": wall - server,
+        "server_share": server / wall if wall else None, "endpoints": endpoints,
+        "parts": exclusive_parts(t0, t1, mine, spans),
+        "stalls": {"n": len(stalls), "s": stall_s, "unexplained_s": max(0.0, unexplained),
+                   "max_s": max((b - a for a, b in stalls), default=0.0)},
+        "watchdog_requests": sum(r.task == "watchdog" for r in reqs),
+        "row": {k: row.get(k) for k in ("reward_mean", "update_skipped", "samples", "groups", "hit_rate",
+                                          "completion_tokens", "restarts", "probe_mad")},
+        "timeline": collapsed_timeline(t0, mine, spans),
+        "requests": [{"what": r.label, "task": r.task, "start_s": r.t0 - t0, "end_s": r.t1 - t0,
+                      "headers_s": None if r.t_headers is None else r.t_headers - t0, "status": r.status,
+                      "req_bytes": r.req_bytes, "resp_bytes": r.resp_bytes, "samples": r.samples} for r in reqs],
+        "spans": [{**s, "t0": s["t0"] - t0, "t1": s["t1"] - t0} for s in spans],
+    }
+
+
+def summarise(steps: list[dict]) -> dict:
+    """Means per step over the steps after the first (all steps when there is only one)."""
+    steady = steps[1:] or steps
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0  # noqa: E731
+    labels = sorted({k for s in steady for k in s["endpoints"]})
+    per_ep = {k: {"n": mean([s["endpoints"].get(k, {}).get("n", 0) for s in steady]),
+                  "s": mean([s["endpoints"].get(k, {}).get("s", 0.0) for s in steady])} for k in labels}
+    parts = {k: mean([s["parts"].get(k, 0.0) for s in steady]) for k in {k for s in steady for k in s["parts"]}}
+    work = ("server: " + ROLLOUT, "train: " + TRAIN)  # decoding and training; everything else is a cost
+    costs = sorted(((v, k) for k, v in parts.items() if k not in work), reverse=True)
+    wall = mean([s["wall_s"] for s in steady])
+    return {"steps": [s["step"] for s in steady], "wall_s": wall, "server_s": mean([s["server_s"] for s in steady]),
+            "kernel_s": mean([s["kernel_s"] for s in steady]),
+            "decoding_s": parts.get("server: " + ROLLOUT, 0.0), "training_s": parts.get("train: " + TRAIN, 0.0),
+            "round_trips": sum(v["n"] for v in per_ep.values()), "endpoints": per_ep, "parts": parts,
+            "top_non_decoding": [{"what": k, "s": v, "share": v / wall if wall else None} for v, k in costs[:5]],
+            "unexplained_stall_s": mean([s["stalls"]["unexplained_s"] for s in steady])}
+
+
+# ---- printing ------------------------------------------------------------------------------------
+def print_step(s: dict) -> None:
+    p = s["phases"]
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    print(f"\nstep {s['step']} | wall {s['wall_s']:.3f} s | rollout {f(p['rollout_s'])} train {f(p['train_s'])} "
+          f"reload {f(p['reload_s'])} verify {f(p['verify_s'])} other {f(p['other_s'])} | server {s['server_s']:.3f} s "
+          f"({100 * (s['server_share'] or 0):.0f} %), kernel {s['kernel_s']:.3f} s | stalls {s['stalls']['n']} "
+          f"({s['stalls']['unexplained_s']:.3f} s unexplained)")
+    print(f"  {'start s':>8} {'end s':>7} {'gap s':>6}  n  what")
+    for t in s["timeline"]:
+        print(f"  {t['start_s']:8.3f} {t['end_s']:7.3f} {t['gap_before_s']:6.3f} {t['n']:>2}  {t['what']}")
+    print(f"  {'endpoint':<34} {'n':>3} {'total s':>8} {'mean ms':>8} {'KiB out':>8} {'KiB in':>8}")
+    for k, e in sorted(s["endpoints"].items(), key=lambda kv: -kv[1]["s"]):
+        print(f"  {k:<34} {e['n']:>3} {e['s']:8.3f} {1e3 * e['s'] / e['n']:8.1f} {e['req_bytes'] / 1024:8.1f} "
+              f"{e['resp_bytes'] / 1024:8.1f}")
+
+
+def print_summary(sm: dict) -> None:
+    w = sm["wall_s"] or 1.0
+    print(f"\nsummary over steps {sm['steps']} (means per step): wall {sm['wall_s']:.3f} s, "
+          f"server {sm['server_s']:.3f} s ({100 * sm['server_s'] / w:.0f} %), "
+          f"kernel {sm['kernel_s']:.3f} s ({100 * sm['kernel_s'] / w:.0f} %); "
+          f"decoding {sm['decoding_s']:.3f} s, training {sm['training_s']:.3f} s, {sm['round_trips']:.1f} round trips")
+    print(f"  {'round trips by endpoint':<34} {'n/step':>7} {'s/step':>8}")
+    for k, e in sorted(sm["endpoints"].items(), key=lambda kv: -kv[1]["s"]):
+        print(f"  {k:<34} {e['n']:7.1f} {e['s']:8.3f}")
+    print(f"  {'wall time, each instant once':<44} {'s/step':>8} {'share':>6}")
+    for k, v in sorted(sm["parts"].items(), key=lambda kv: -kv[1]):
+        print(f"  {k:<44} {v:8.3f} {100 * v / w:5.1f}%")
+    print("  top 5 costs that are neither decoding nor training:")
+    for i, c in enumerate(sm["top_non_decoding"], 1):
+        print(f"    {i}. {c['what']}: {c['s']:.3f} s/step ({100 * (c['share'] or 0):.1f} %)")
+
+
+# ---- the run -------------------------------------------------------------------------------------
+async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
+    rec = Recorder()
+    run = GRPORun(cfg).start()
+    record = {"config": {k: getattr(cfg, k) for k in ("engine", "model_path", "groups_per_step", "group_size",
+                                                      "max_new_tokens", "schedule", "run_dir")},
+              "steps": []}
+    monitor = asyncio.create_task(watch_loop(rec))
+    try:
+        record["schedule"] = resolve_schedule(cfg.schedule, run.task.max_turns)
+        record["max_turns"] = run.task.max_turns
+        with instrument_run(run, rec):
+            for n in range(1, steps + 1):
+                instrument_client(run.client, rec)  # a restarted server comes with a new client
+                rec.take()
+                t0 = time.perf_counter()
+                row = await run.step()
+                t1 = time.perf_counter()
+                s = analyse_step(n, t0, t1, row, *rec.take())
+                print_step(s)
+                record["steps"].append(s)
+                record["summary"] = summarise(record["steps"])
+                if out:
+                    out.write_text(json.dumps(record, indent=1, default=str))
+        problem = getattr(run.client, "native_n_problem", None)
+        record["balanced_n"] = bool(problem and await problem())  # asked once already: no request
+    finally:
+        monitor.cancel()
+        run.stop()
+    print_summary(record["summary"])
+    if out:
+        out.write_text(json.dumps(record, indent=1, default=str))
+        print(f"\nwritten: {out}")
+    return record
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", default="auto", help="auto (SGLang with a GPU, else the CPU engine), sglang, cpu, vllm")
+    p.add_argument("--model-path", default=None, help="default: the shipped tiny model")
+    p.add_argument("--task", default="addition", help="a registered task or module:ATTR")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's own limit")
+    p.add_argument("--run-dir", default=None, help="default: a new temporary directory")
+    p.add_argument("--out", default=None, help="the JSON record")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    run_dir = Path(a.run_dir or tempfile.mkdtemp(prefix="step-profile-"))
+    if (run_dir / "history.jsonl").exists():
+        print(f"error: {run_dir} holds a run already (history.jsonl); give a new --run-dir or remove it",
+              file=sys.stderr)
+        return 2
+    cfg = RunConfig(task=a.task, engine=a.engine, model_path=a.model_path, run_dir=str(run_dir),
+                    groups_per_step=a.groups_per_step, group_size=a.group_size, max_new_tokens=a.max_new_tokens)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # validate.sh's timeout: stop the server first
+    print(f"step profile: {a.steps} steps of {a.groups_per_step} x {a.group_size}, engine {a.engine}, "
+          f"run dir {run_dir}", flush=True)
+    asyncio.run(profile(cfg, a.steps, Path(a.out) if a.out else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,11 +17,13 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import itertools
 import json
 import logging
 import math
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable
@@ -78,6 +80,16 @@ ADMIN_TIMEOUT_S = 60.0
 metrics) may take before it counts as hung. Each takes well under a second on a healthy server; a
 stuck one (SGLang 0.5.14's unload after n > 1 requests, sglang#36894) would otherwise hold a cell
 for the 600 s request timeout."""
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """One verifying TLS context for every pool of every client in this process. httpx builds a
+    new one per AsyncClient (loading the CA bundle each time: ~20 ms), and a client makes 16 pools
+    on each event loop it meets (`EngineClient._client`): 0.3 s before a run's first request, and
+    again after every server restart, for servers that are plain http:// on 127.0.0.1 anyway."""
+    return httpx.create_ssl_context()  # what httpx's verify=True builds (certifi)
+
 
 # Called (or set) once, when the first output token of a streamed request arrives.
 FirstTokenHook = Callable[[], Any] | asyncio.Event
@@ -258,7 +270,7 @@ class EngineClient(abc.ABC):
         if self._pools is None or self._loop is not loop:
             timeout = httpx.Timeout(self.timeout_s, connect=min(30.0, self.timeout_s))
             self._pools = [httpx.AsyncClient(base_url=self.base_url, headers=self._headers, limits=self._limits,
-                                             timeout=timeout, transport=self._transport)
+                                             timeout=timeout, transport=self._transport, verify=tls_context())
                            for _ in range(self._pool_count)]
             self._loop = loop
         return self._pools[next(self._turn) % len(self._pools)]

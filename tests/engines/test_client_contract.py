@@ -561,3 +561,25 @@ def test_async_context_manager_closes():
 def test_connections_are_spread_over_pools():
     client = make_client("sglang", "http://h:1", "m")
     assert client._pool_count * client._limits.max_connections >= 1024 and client._pool_count > 1
+
+
+def test_pools_share_one_tls_context_across_event_loops(monkeypatch):
+    # httpx builds a TLS context (loading the CA bundle) per AsyncClient: 16 pools on every event
+    # loop cost ~0.3 s before a run's first request and after every restart. One is built per process.
+    import ssl
+    from artsg_nb.engines import base
+    if hasattr(base, "tls_context"):
+        base.tls_context.cache_clear()
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    client = make_client("sglang", "https://h:1", "m")  # no transport: real httpx transports are made
+
+    async def pools():
+        client._client()
+        return client._pools
+    first, second = asyncio.run(pools()), asyncio.run(pools())
+    assert first is not second and len(first) == client._pool_count > 1  # a new loop, new pools
+    assert len(built) == 1
+    contexts = {id(pool._transport._pool._ssl_context) for pool in first + second}
+    assert len(contexts) == 1

@@ -154,7 +154,7 @@ def test_sglang_backend_trains_an_art_model_and_serves_the_trained_adapter(tiny_
     steps, groups_per_step, group_size = 5, 8, 8
 
     async def main():
-        backend = SGLangBackend(path=str(tmp_path / ".art"), config=RunConfig(engine="cpu", verbose=False))
+        backend = SGLangBackend(path=str(tmp_path / ".art"), config=RunConfig(engine="cpu", verbose=False, verify_every=1))
         model = art.TrainableModel(name="adder", project="art-test", base_model=str(tiny_model_dir))
         await model.register(backend)
         try:

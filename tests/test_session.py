@@ -1,7 +1,9 @@
 """Three GRPO steps through the CPU engine subprocess, the way the quickstart runs them: each step
 loads a new adapter, unloads the old one, and the next rollouts are served by the new one; then
-rollouts outside training (GRPORun.rollouts) under the newest adapter."""
+rollouts outside training (GRPORun.rollouts) under the newest adapter. The served adapter is checked
+against the trainer at the first reload on the server and then every verify_every steps."""
 import asyncio
+from dataclasses import replace
 
 from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
@@ -10,7 +12,7 @@ from scripted_tasks import ADDITION_WITH_SIGNAL
 def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
     # scripted reward: every step has a signal, so every step publishes a new adapter
     cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
-                    run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=2, verbose=False)
+                    run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=2, verbose=False, verify_every=2)
     seen = []
     with GRPORun(cfg) as run:
         real_collect = run._rollouts
@@ -25,7 +27,11 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
             row = asyncio.run(run.step())
             loaded = asyncio.run(run.client.list_adapters())
             assert set(loaded) == {f"policy-step-{step}"}, f"after step {step} the server holds {sorted(loaded)}"
-            assert row["adapter"] == f"policy-step-{step}" and row["probe_mad"] < 0.02
+            assert row["adapter"] == f"policy-step-{step}"
+            if step in (1, 2):  # 1: the first reload on this server; 2: every verify_every=2 steps
+                assert row["probe_mad"] < 0.02 and (step == 1 or row["probe_moved"] > 0)
+            else:
+                assert row["probe_mad"] is None and row["probe_moved"] is None, "step 3's check was not due"
             assert (tmp_path / "run" / "adapters" / f"policy-step-{step}" / "adapter_model.safetensors").exists()
         df = run.history.df
         # Rollouts outside training: served by the newest adapter, nothing trained or recorded.
@@ -50,3 +56,19 @@ def test_reward_rises_within_four_steps_on_addition(tiny_model_dir, tmp_path):
         df = asyncio.run(run.run(4)).df
     first, late = df["reward_mean"].iloc[0], df["reward_mean"].iloc[2:].mean()
     assert late >= first + 0.15, f"reward should rise: {list(df['reward_mean'].round(3))}"
+
+
+def test_the_served_adapter_is_checked_first_on_each_server_then_every_verify_every_steps(tmp_path):
+    run = GRPORun(RunConfig(engine="cpu", run_dir=str(tmp_path / "run"), verify_every=5))  # not started
+    due = lambda: [s for s in range(1, 13) if run._verify_due(s)]  # noqa: E731
+    assert due() == list(range(1, 13)), "no check yet on this server: the next reload is checked"
+    run._verified_on_server = run.supervisor.restarts  # checked on this server
+    assert due() == [5, 10]
+    run.supervisor.restarts += 1  # a restarted server: its first reload is checked whatever the step
+    assert due() == list(range(1, 13))
+    run.cfg = replace(run.cfg, verify_every=1)
+    run._verified_on_server = run.supervisor.restarts
+    assert due() == list(range(1, 13))
+    run.cfg = replace(run.cfg, verify_adapter=False)
+    run._verified_on_server = None
+    assert due() == []

@@ -20,8 +20,8 @@ several ids decode to is resolved under the trainer's weights, or the trajectory
 `await backend.train(model, groups, learning_rate=...)` converts the groups (convert.py), runs
 one GRPO step through `GRPORun.train_on` — the update (grpo.py's loss, checked against TRL),
 the adapter saved atomically, hot-reloaded, and checked to be the one served
-(RunConfig.verify_adapter), one history row — and returns a `LocalTrainResult(step, metrics,
-checkpoint_path)`.
+(RunConfig.verify_adapter: at the first reload on a server, then every verify_every steps), one
+history row — and returns a `LocalTrainResult(step, metrics, checkpoint_path)`.
 
 Not supported (an error says so, nothing is silently ignored):
 - ART's losses: `loss_fn="cispo"` (ART's default) and its knobs (advantage_balance,

@@ -87,7 +87,15 @@ class RunConfig:
     resume: bool = False
     """Continue from the newest complete checkpoint in run_dir."""
     verify_adapter: bool = True
-    """After each reload, check the served adapter's logprobs against the trainer's."""
+    """After a reload, check the served adapter's logprobs against the trainer's (one scoring
+    request to the server and one forward pass of the trainer on a probe trajectory); a mismatch
+    stops the step with AdapterMismatchError. When: see verify_every."""
+    verify_every: int = 10
+    """Check the served adapter (verify_adapter) at the first reload on each server (after start,
+    adoption and every restart: where a wrong or stale adapter would come from) and then every
+    `verify_every` steps; 1: after every reload. The check is a round trip plus a trainer forward
+    on the critical path of every step it runs in (12 % of a CPU-engine step of the tiny model,
+    tools/gpu/step_profile.py); a row without it has probe_mad None."""
     release_memory: bool | str = False
     """Give the server's GPU memory back while the trainer runs, and take it again before the
     reload (client.release_memory; the server is started with the memory saver). True, False,
@@ -148,7 +156,7 @@ class RunConfig:
 
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
-_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s", "verify_adapter", "concurrency",
+_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s", "verify_adapter", "verify_every", "concurrency",
                           "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to"})
 """Fields that change how a run is operated, not what it computes: a resumed run may change them."""

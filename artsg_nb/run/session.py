@@ -90,6 +90,7 @@ class GRPORun:
         self.history: History | None = None
         self.release = False  # resolved cfg.release_memory; may be toggled between steps
         self._unwritten_row: dict | None = None  # a completed step whose history write failed
+        self._verified_on_server: int | None = None  # supervisor.restarts at the last adapter check
         self.watchdog = HealthWatchdog(lambda: supervisor.server, lambda: supervisor.client, cfg.hang_timeout_s)
         supervisor = self.supervisor = ServerSupervisor(self.watchdog, cfg.max_restarts, self.run_dir)
         self.sampler: SampleAhead | None = None  # the step's rollouts, maybe sampled ahead (after start)
@@ -450,7 +451,7 @@ class GRPORun:
         await self.supervisor.with_restarts(self.supervisor.publish, version)
         reload_s = time.perf_counter() - t0
         result = {}
-        if self.cfg.verify_adapter and probe is not None:
+        if self._verify_due(version.step) and probe is not None:
             trainer_lp = self.trainer.score_tokens(probe.token_ids)
             prev_lp = probe.logprobs[1:] if previous else None
             mask = probe.completion_mask[1:]
@@ -462,4 +463,12 @@ class GRPORun:
                 MaskedScorer(self.client, mask, self.cfg.temperature), version, probe.token_ids,
                 sel(trainer_lp), sel(prev_lp) if prev_lp else None, tol)
             result = await self.supervisor.with_restarts(verify)
+            self._verified_on_server = self.supervisor.restarts
         return version, reload_s, result
+
+    def _verify_due(self, step: int) -> bool:
+        """Whether this reload's served adapter is checked (RunConfig.verify_every): the first
+        reload on a server (none checked since it started or restarted), then every verify_every steps."""
+        cfg = self.cfg
+        first_on_server = self._verified_on_server != self.supervisor.restarts
+        return cfg.verify_adapter and (first_on_server or cfg.verify_every <= 1 or step % cfg.verify_every == 0)

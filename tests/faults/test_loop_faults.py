@@ -48,7 +48,7 @@ pytestmark = pytest.mark.faults
 # The reward is scripted (member i of a group earns i % 2): every step updates and publishes
 # policy-step-N, which the faults below are timed on, whatever the model samples.
 CFG = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", group_size=2, groups_per_step=2, lora_rank=8, lora_alpha=16,
-                seed=11, max_restarts=10, hang_timeout_s=3.0, verbose=False)
+                seed=11, max_restarts=10, hang_timeout_s=3.0, verbose=False, verify_every=1)
 STALE, FRESH = ".tmp-policy-step-3-0dead000", ".tmp-policy-step-4-0live000"
 
 

@@ -30,8 +30,8 @@ synchronous kernel span, else a kernel gap (Python, event loop, bookkeeping) nam
 falls in. It prints a compact timeline and table per step and a summary over the steps after the
 first (step 1 also publishes policy-step-0 and asks /server_info): round trips per step by endpoint
 and their seconds, the share of the step that is server time vs kernel time, and the top 5 costs
-that are neither decoding nor training. Everything goes to --out as JSON (rewritten after each
-step, so a run cut short keeps what it measured).
+that are neither decoding nor training. Everything goes to --out as JSON (replaced whole after
+each step, so a run cut short keeps what it measured and never a half-written file).
 
 What it does not do: look inside the server (its scheduler's time is the requests' time here),
 change what a step does (the wrappers only time; the run is the one a notebook runs), or profile
@@ -61,6 +61,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's artsg_nb first
 from artsg_nb import GRPORun, RunConfig  # noqa: E402
+from artsg_nb.files import write_atomic  # noqa: E402
 from artsg_nb.run import session as session_module  # noqa: E402
 from artsg_nb.run.config import resolve_schedule  # noqa: E402
 
@@ -416,7 +417,7 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
                 record["steps"].append(s)
                 record["summary"] = summarise(record["steps"])
                 if out:
-                    out.write_text(json.dumps(record, indent=1, default=str))
+                    write_atomic(out, json.dumps(record, indent=1, default=str))
         problem = getattr(run.client, "native_n_problem", None)
         record["balanced_n"] = bool(problem and await problem())  # asked once already: no request
     finally:
@@ -424,7 +425,7 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
         run.stop()
     print_summary(record["summary"])
     if out:
-        out.write_text(json.dumps(record, indent=1, default=str))
+        write_atomic(out, json.dumps(record, indent=1, default=str))
         print(f"\nwritten: {out}")
     return record
 

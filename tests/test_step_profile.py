@@ -40,6 +40,42 @@ def test_union_and_exclusive_parts_by_hand():
         "train: train_step": 3.0, "kernel gaps elsewhere (step bookkeeping)": 2.0}
 
 
+def test_a_collection_is_recorded_as_a_nested_gc_span():
+    import gc
+    sp = load_tool()
+    rec = sp.Recorder()
+    on_gc = sp._gc_recorder(rec)
+    gc.callbacks.append(on_gc)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(on_gc)
+    full = [s for s in rec.spans if s["name"] == "gc" and s["generation"] == 2]
+    assert full and all(s["nested"] and s["t1"] >= s["t0"] for s in full)
+
+
+def test_trainer_detail_and_the_new_width_summary_by_hand():
+    sp = load_tool()
+    # train_step 1-3 s holding make_batch 1-1.1, backward 1.1-2.5 with a gen-2 collection 2-2.4, optimizer 2.5-2.9
+    spans = [{"name": "train_step", "t0": 1.0, "t1": 3.0, "nested": False},
+             {"name": "make_batch", "t0": 1.0, "t1": 1.1, "nested": True},
+             {"name": "backward", "t0": 1.1, "t1": 2.5, "nested": True},
+             {"name": "gc", "t0": 2.0, "t1": 2.4, "nested": True, "generation": 2, "collected": 0},
+             {"name": "gc", "t0": 3.5, "t1": 3.6, "nested": True, "generation": 0, "collected": 0},  # after it
+             {"name": "optimizer_step", "t0": 2.5, "t1": 2.9, "nested": True}]
+    shape = {"sequences": 8, "width": 12, "tokens": 80, "micro_batches": 1, "new_width": True,
+             "counters": {"cuda_mallocs": 3}}
+    t = sp.trainer_detail([shape], spans)
+    assert t["train_s"] == 2.0 and t["backward_s"] == pytest.approx(1.4) and t["optimizer_step_s"] == pytest.approx(0.4)
+    assert t["gc"] == {"n": 1, "s": pytest.approx(0.4), "oldest_generation": 2}
+    assert sp.trainer_detail([], spans) is None
+    steps = [{"trainer": {**t, "train_s": 2.0}}, {"trainer": {**t, "new_width": False, "train_s": 0.5}},
+             {"trainer": {**t, "new_width": False, "train_s": 0.3}}, {"trainer": None}]
+    tr = sp.training_summary(steps)
+    assert tr["new_width_mean_s"] == 2.0 and tr["seen_width_mean_s"] == pytest.approx(0.4)
+    assert tr["counters"] == {"cuda_mallocs": 9} and len(tr["per_step"]) == 3
+
+
 @pytest.mark.slow
 def test_two_steps_on_the_cpu_engine(tiny_model_dir, tmp_path):
     out = tmp_path / "profile.json"
@@ -66,6 +102,11 @@ def test_two_steps_on_the_cpu_engine(tiny_model_dir, tmp_path):
         assert ep.get("POST /generate score", {}).get("n", 0) == (1 if s["step"] == 1 else 0)
         assert all(r["status"] == 200 and r["end_s"] >= r["start_s"] for r in mine)
         assert [x["name"] for x in s["spans"]].count("train_step") == 1
+        t = s["trainer"]  # inside train_step: every valid trajectory, in micro-batches, parts within it
+        assert t["sequences"] <= s["row"]["samples"] and t["micro_batches"] >= 1
+        assert t["sequences"] <= t["tokens"] <= t["sequences"] * t["width"]
+        assert t["make_batch_s"] + t["backward_s"] + t["optimizer_step_s"] <= t["train_s"]
+        assert t["backward_s"] > 0 and t["new_width"] == (s["step"] == 1 or t["width"] != record["steps"][0]["trainer"]["width"])
         assert sum(s["parts"].values()) == pytest.approx(s["wall_s"], rel=1e-6)
         assert s["server_s"] + s["kernel_s"] == pytest.approx(s["wall_s"]) and 0 < s["server_share"] < 1
         starts = [t["start_s"] for t in s["timeline"]]
@@ -74,3 +115,5 @@ def test_two_steps_on_the_cpu_engine(tiny_model_dir, tmp_path):
     top = record["summary"]["top_non_decoding"]
     assert 1 <= len(top) <= 5 and not {c["what"] for c in top} & {"server: POST /generate rollout", "train: train_step"}
     assert record["summary"]["steps"] == [2]
+    assert [r["width"] for r in record["summary"]["training"]["per_step"]] == [record["steps"][1]["trainer"]["width"]]
+    assert "training per step (padded width, * = new to the run)" in proc.stdout

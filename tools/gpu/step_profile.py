@@ -19,6 +19,12 @@ in one event loop and records, per step:
              history_write, prune_adapters, http_pools (the client making its httpx pools, once
              per event loop); and the async phases rollouts, publish,
              save_and_reload (save + publish + the served-adapter check)
+  trainer    inside train_step (issue 26: its time swung 0.03-2.08 s step to step on the H200): the
+             batch's shape (sequences x padded width, real tokens, micro-batches, whether the
+             width is new to this run), make_batch / backward / optimizer_step seconds, Python's
+             garbage collections that ran during it (gc.callbacks), and the deltas over it of
+             the CUDA caching allocator's device mallocs, frees and retries and of torch.compile's
+             graphs; the summary sets the steps whose width was new beside those that repeat one
   stalls     event-loop stalls over 20 ms (a task sleeping 10 ms that woke late), and how much
              of them no known synchronous span explains
   phases     rollout_s, train_s, reload_s of the step's history row; verify_s (the served-adapter
@@ -47,13 +53,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import signal
 import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +75,7 @@ from artsg_nb.run.config import resolve_schedule  # noqa: E402
 ROLLOUT = "POST /generate rollout"
 TRAIN = "train_step"
 STALL_TICK_S, STALL_MIN_S = 0.010, 0.020
+TRAINER_PARTS = ("make_batch", "backward", "optimizer_step")  # nested in train_step
 SYNC_SPANS = ("train_step", "trainer_score", "save_adapter", "tokenizer", "write_rollouts", "history_write",
               "prune_adapters", "http_pools")
 PHASES = {"publish": 3.0, "rollouts": 3.1, "save_and_reload": 3.2}  # innermost first when nested
@@ -102,11 +110,13 @@ class Recorder:
     requests: list[Request] = field(default_factory=list)
     spans: list[dict] = field(default_factory=list)
     stalls: list[tuple[float, float]] = field(default_factory=list)
+    trainer: list[dict] = field(default_factory=list)  # one record per train_step (instrument_trainer)
     depth: int = 0  # synchronous spans open now (a nested one is its parent's time)
+    widths_seen: set[int] = field(default_factory=set)  # padded batch widths of the run so far
 
-    def take(self) -> tuple[list[Request], list[dict], list[tuple[float, float]]]:
-        out = (self.requests, self.spans, self.stalls)
-        self.requests, self.spans, self.stalls = [], [], []
+    def take(self) -> tuple[list[Request], list[dict], list[tuple[float, float]], list[dict]]:
+        out = (self.requests, self.spans, self.stalls, self.trainer)
+        self.requests, self.spans, self.stalls, self.trainer = [], [], [], []
         return out
 
 
@@ -229,6 +239,10 @@ def instrument_run(run: GRPORun, rec: Recorder):
     for obj, attr, name in [(trainer, "train_step", "train_step"), (trainer, "score_tokens", "trainer_score"),
                             (run, "_save_fn", "save_adapter"), (run.history, "append", "history_write")]:
         setattr(obj, attr, _sync_span(rec, name, getattr(obj, attr)))
+    if all(hasattr(trainer, n) for n in (*TRAINER_PARTS, "micro_batches")):
+        instrument_trainer(trainer, rec)
+    else:  # a trainer of ranks (trainer_ranks > 1) steps elsewhere
+        print(f"note: {type(trainer).__name__} not looked into (no make_batch/backward/optimizer_step)", flush=True)
     for attr in ("apply_chat_template", "encode", "decode"):
         try:  # best effort: a tokenizer class that refuses instance attributes is left untimed
             setattr(tok, attr, _sync_span(rec, "tokenizer", getattr(tok, attr)))
@@ -240,11 +254,96 @@ def instrument_run(run: GRPORun, rec: Recorder):
     saved = {n: getattr(session_module, n) for n in ("write_rollouts", "prune_adapters")}
     for n, fn in saved.items():
         setattr(session_module, n, _sync_span(rec, n, fn))
+    on_gc = _gc_recorder(rec)
+    gc.callbacks.append(on_gc)
     try:
         yield
     finally:
+        gc.callbacks.remove(on_gc)
         for n, fn in saved.items():
             setattr(session_module, n, fn)
+
+
+# ---- inside train_step ---------------------------------------------------------------------------
+def device_counters() -> dict[str, int]:
+    """Counters whose change over a train_step names a one-off cost: the CUDA caching allocator's
+    device mallocs, frees and retries (a retry frees the cache and synchronises the GPU), and the
+    graphs torch.compile made (a new shape can recompile). Empty where neither is in use."""
+    import torch
+    out: dict[str, int] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats()
+        for key, name in (("num_device_alloc", "cuda_mallocs"), ("num_device_free", "cuda_frees"),
+                          ("num_alloc_retries", "alloc_retries")):
+            out[name] = int(stats.get(key, 0))
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    if dynamo is not None:
+        out["compiled_graphs"] = int(dynamo.counters["stats"]["unique_graphs"])
+    return out
+
+
+def _gc_recorder(rec: Recorder):
+    """A gc.callbacks entry recording each collection as a nested span "gc" (never a part of its own:
+    it is the time of whatever it interrupted), with its generation and what it collected."""
+    started: dict[int, float] = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[info["generation"]] = time.perf_counter()
+        elif info["generation"] in started:
+            rec.spans.append({"name": "gc", "t0": started.pop(info["generation"]), "t1": time.perf_counter(),
+                              "nested": True, "generation": info["generation"], "collected": info["collected"]})
+    return on_gc
+
+
+def instrument_trainer(trainer, rec: Recorder) -> None:
+    """Time train_step's parts as nested spans and record, per train_step, its batch's shape and
+    the device counters' deltas (rec.trainer). Instance attributes: train_step looks them up."""
+    for name in TRAINER_PARTS:
+        setattr(trainer, name, _sync_span(rec, name, getattr(trainer, name)))
+    make_batch, micro_batches = trainer.make_batch, trainer.micro_batches
+
+    def shaped(groups):
+        batch = make_batch(groups)
+        width = int(batch.input_ids.shape[1])
+        rec.trainer.append({"sequences": int(batch.input_ids.shape[0]), "width": width,
+                            "tokens": int(batch.attention_mask.sum()), "micro_batches": 0,
+                            "new_width": width not in rec.widths_seen})
+        rec.widths_seen.add(width)
+        return batch
+
+    def counted(batch):
+        for mb in micro_batches(batch):
+            if rec.trainer:
+                rec.trainer[-1]["micro_batches"] += 1
+            yield mb
+
+    trainer.make_batch, trainer.micro_batches = shaped, counted
+    train_step = trainer.train_step  # already the timed span: the counters bracket it
+
+    def counting(groups):
+        before = device_counters()
+        try:
+            return train_step(groups)
+        finally:
+            after = device_counters()
+            if rec.trainer:
+                rec.trainer[-1]["counters"] = {k: after[k] - before.get(k, 0) for k in after}
+    trainer.train_step = counting
+
+
+def trainer_detail(records: list[dict], spans: list[dict]) -> dict | None:
+    """The step's train_step seen from inside: shape, parts, collections within it, counters."""
+    outer = [s for s in spans if s["name"] == TRAIN]
+    if not records or not outer:
+        return None
+    t0, t1 = outer[0]["t0"], outer[0]["t1"]
+    inside = [s for s in spans if t0 <= s["t0"] and s["t1"] <= t1]
+    collections = [s for s in inside if s["name"] == "gc"]
+    return {**records[0], "train_s": t1 - t0,
+            **{f"{n}_s": sum(s["t1"] - s["t0"] for s in inside if s["name"] == n) for n in TRAINER_PARTS},
+            "gc": {"n": len(collections), "s": sum(s["t1"] - s["t0"] for s in collections),
+                   "oldest_generation": max((s["generation"] for s in collections), default=None)}}
 
 
 async def watch_loop(rec: Recorder) -> None:
@@ -304,7 +403,7 @@ def collapsed_timeline(t0: float, reqs: list[Request], spans: list[dict]) -> lis
     return out
 
 
-def analyse_step(step_no: int, t0: float, t1: float, row: dict, reqs, spans, stalls) -> dict:
+def analyse_step(step_no: int, t0: float, t1: float, row: dict, reqs, spans, stalls, trainer=()) -> dict:
     for r in reqs:
         classify(r)
         r.t1 = r.t1 if r.t1 is not None else t1
@@ -334,6 +433,7 @@ def analyse_step(step_no: int, t0: float, t1: float, row: dict, reqs, spans, sta
         "row": {k: row.get(k) for k in ("reward_mean", "update_skipped", "samples", "groups", "hit_rate",
                                           "completion_tokens", "restarts", "probe_mad")},
         "timeline": collapsed_timeline(t0, mine, spans),
+        "trainer": trainer_detail(list(trainer), spans),
         "requests": [{"what": r.label, "task": r.task, "start_s": r.t0 - t0, "end_s": r.t1 - t0,
                       "headers_s": None if r.t_headers is None else r.t_headers - t0, "status": r.status,
                       "req_bytes": r.req_bytes, "resp_bytes": r.resp_bytes, "samples": r.samples} for r in reqs],
@@ -357,7 +457,26 @@ def summarise(steps: list[dict]) -> dict:
             "decoding_s": parts.get("server: " + ROLLOUT, 0.0), "training_s": parts.get("train: " + TRAIN, 0.0),
             "round_trips": sum(v["n"] for v in per_ep.values()), "endpoints": per_ep, "parts": parts,
             "top_non_decoding": [{"what": k, "s": v, "share": v / wall if wall else None} for v, k in costs[:5]],
-            "unexplained_stall_s": mean([s["stalls"]["unexplained_s"] for s in steady])}
+            "unexplained_stall_s": mean([s["stalls"]["unexplained_s"] for s in steady]),
+            "training": training_summary(steady)}
+
+
+def training_summary(steps: list[dict]) -> dict | None:
+    """train_step per step with its shape, and the means of the steps whose padded width was new to
+    the run beside those that repeated one: a cost paid once per new shape shows as a gap between
+    the two (issue 26's swings), a cost that follows the work does not."""
+    rows = [s["trainer"] for s in steps if s.get("trainer")]
+    if not rows:
+        return None
+    mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    counters: Counter[str] = Counter()
+    for r in rows:
+        counters.update(r.get("counters", {}))
+    return {"per_step": [{k: r[k] for k in ("train_s", "sequences", "width", "tokens", "micro_batches", "new_width")}
+                         for r in rows],
+            "new_width_mean_s": mean([r["train_s"] for r in rows if r["new_width"]]),
+            "seen_width_mean_s": mean([r["train_s"] for r in rows if not r["new_width"]]),
+            "gc_s": sum(r["gc"]["s"] for r in rows), "counters": dict(counters)}
 
 
 # ---- printing ------------------------------------------------------------------------------------
@@ -371,10 +490,22 @@ def print_step(s: dict) -> None:
     print(f"  {'start s':>8} {'end s':>7} {'gap s':>6}  n  what")
     for t in s["timeline"]:
         print(f"  {t['start_s']:8.3f} {t['end_s']:7.3f} {t['gap_before_s']:6.3f} {t['n']:>2}  {t['what']}")
+    if s.get("trainer"):
+        print("  " + trainer_line(s["trainer"]))
     print(f"  {'endpoint':<34} {'n':>3} {'total s':>8} {'mean ms':>8} {'KiB out':>8} {'KiB in':>8}")
     for k, e in sorted(s["endpoints"].items(), key=lambda kv: -kv[1]["s"]):
         print(f"  {k:<34} {e['n']:>3} {e['s']:8.3f} {1e3 * e['s'] / e['n']:8.1f} {e['req_bytes'] / 1024:8.1f} "
               f"{e['resp_bytes'] / 1024:8.1f}")
+
+
+def trainer_line(t: dict) -> str:
+    counters = ", ".join(f"{k} +{v}" for k, v in t.get("counters", {}).items() if v) or "no allocator/compile events"
+    gc_part = (f"gc {t['gc']['n']}x {t['gc']['s']:.3f} s (oldest gen {t['gc']['oldest_generation']})"
+               if t["gc"]["n"] else "no gc")
+    return (f"train_step {t['train_s']:.3f} s: {t['sequences']} x {t['width']} ({t['tokens']} tokens, "
+            f"{t['micro_batches']} micro-batches, width {'new' if t['new_width'] else 'seen before'}) | "
+            f"make_batch {t['make_batch_s']:.3f} backward {t['backward_s']:.3f} optimizer {t['optimizer_step_s']:.3f} | "
+            f"{gc_part} | {counters}")
 
 
 def print_summary(sm: dict) -> None:
@@ -392,6 +523,14 @@ def print_summary(sm: dict) -> None:
     print("  top 5 costs that are neither decoding nor training:")
     for i, c in enumerate(sm["top_non_decoding"], 1):
         print(f"    {i}. {c['what']}: {c['s']:.3f} s/step ({100 * (c['share'] or 0):.1f} %)")
+    tr = sm.get("training")
+    if tr:
+        f = lambda v: "-" if v is None else f"{v:.3f} s"  # noqa: E731
+        steps = ", ".join(f"{r['train_s']:.3f} ({r['width']}{'*' if r['new_width'] else ''})" for r in tr["per_step"])
+        print(f"  training per step (padded width, * = new to the run): {steps}")
+        print(f"  training mean: new width {f(tr['new_width_mean_s'])}, width seen before {f(tr['seen_width_mean_s'])}; "
+              f"gc inside train_step {tr['gc_s']:.3f} s; " +
+              (", ".join(f"{k} +{v}" for k, v in tr["counters"].items()) or "no allocator/compile counters"))
 
 
 # ---- the run -------------------------------------------------------------------------------------

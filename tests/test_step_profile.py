@@ -4,12 +4,15 @@ seen, request counts follow groups x group size and the schedule, the parts of a
 its wall time — never for particular timings."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,13 +43,95 @@ def test_union_and_exclusive_parts_by_hand():
         "train: train_step": 3.0, "kernel gaps elsewhere (step bookkeeping)": 2.0}
 
 
-def test_a_collection_is_recorded_as_a_nested_gc_span():
-    import gc
+class StubTrainer:
+    """Trainer.train_step's shape of calls (make_batch → backward over micro_batches → optimizer_step)
+    on small tensors: batches of `lengths` sequences, micro-batches of two, each cut to its longest."""
+
+    def __init__(self):
+        self.fail = False
+
+    def train_step(self, groups):
+        batch = self.make_batch(groups)
+        self.backward(batch)
+        self.optimizer_step()
+        return {}
+
+    def make_batch(self, lengths):
+        import torch
+        if self.fail:
+            raise ValueError("no valid trajectory")
+        mask = torch.tensor([[1] * n + [0] * (max(lengths) - n) for n in lengths])
+        return SimpleNamespace(input_ids=torch.zeros_like(mask), attention_mask=mask)
+
+    def micro_batches(self, batch):
+        for i in range(0, batch.input_ids.shape[0], 2):
+            part = batch.attention_mask[i:i + 2]
+            yield SimpleNamespace(input_ids=batch.input_ids[i:i + 2, :int(part.sum(1).max())])
+
+    def backward(self, batch):
+        gc.collect()  # a collection inside train_step, on its thread
+        return [mb for mb in self.micro_batches(batch)]
+
+    def optimizer_step(self):
+        return 0.0
+
+
+def test_the_trainer_is_looked_into_one_record_per_train_step():
+    sp = load_tool()
+    rec, trainer = sp.Recorder(), StubTrainer()
+    trainer.train_step = sp._sync_span(rec, "train_step", trainer.train_step)  # as instrument_run does first
+    sp.instrument_trainer(trainer, rec)
+    on_gc = sp._gc_recorder(rec)
+    gc.callbacks.append(on_gc)
+    try:
+        trainer.train_step([5, 3, 4])
+        trainer.train_step([4, 5, 2])  # (2, 5) seen, (1, 2) new
+        trainer.train_step([5, 5, 4])  # (2, 5) and (1, 4): both seen
+        gc.collect()  # outside train_step: not recorded
+        trainer.fail = True
+        with pytest.raises(ValueError):
+            trainer.train_step([1])
+    finally:
+        gc.callbacks.remove(on_gc)
+    _, spans, _, records = rec.take()
+    assert [r["shapes"] for r in records] == [[(2, 5), (1, 4)], [(2, 5), (1, 2)], [(2, 5), (1, 4)], []]
+    assert [r["new_shape"] for r in records] == [True, True, False, False]
+    assert [(r["sequences"], r["width"], r["tokens"]) for r in records[:3]] == [(3, 5, 12), (3, 5, 11), (3, 5, 14)]
+    assert all("counters" in r for r in records)  # written even for the step that raised
+    steps = [s for s in spans if s["name"] == "train_step"]
+    assert len(steps) == 4
+    for step in steps[:3]:  # each holds its backward and the collection made there
+        assert {s["name"] for s in spans if step["t0"] <= s["t0"] <= step["t1"]} >= {"make_batch", "backward", "gc"}
+    # every part and collection recorded lies inside a train_step (the collect() after them is not recorded)
+    assert all(any(t["t0"] <= s["t0"] and s["t1"] <= t["t1"] for t in steps)
+               for s in spans if s["name"] in (*sp.TRAINER_PARTS, "gc"))
+    assert all(s["nested"] for s in spans if s["name"] in (*sp.TRAINER_PARTS, "gc"))
+
+
+def test_the_gc_callback_is_removed_when_the_run_fails(monkeypatch):
+    sp = load_tool()
+    trainer = StubTrainer()
+    trainer.tokenizer = SimpleNamespace(apply_chat_template=None, encode=None, decode=None)
+    trainer.score_tokens = lambda ids: []
+    run = SimpleNamespace(trainer=trainer, _save_fn=lambda *a: None, history=SimpleNamespace(append=lambda r: None),
+                          _rollouts=None, _save_and_reload=None, supervisor=SimpleNamespace(publish=None))
+    before = list(gc.callbacks)
+    with pytest.raises(RuntimeError, match="cut short"):
+        with sp.instrument_run(run, sp.Recorder()):
+            assert len(gc.callbacks) == len(before) + 1
+            raise RuntimeError("cut short")
+    assert gc.callbacks == before
+
+
+def test_a_collection_on_the_training_thread_is_recorded_as_a_nested_gc_span():
     sp = load_tool()
     rec = sp.Recorder()
     on_gc = sp._gc_recorder(rec)
     gc.callbacks.append(on_gc)
     try:
+        gc.collect()  # no train_step open: not recorded
+        assert not rec.spans
+        rec.training_thread = threading.get_ident()
         gc.collect()
     finally:
         gc.callbacks.remove(on_gc)
@@ -54,7 +139,7 @@ def test_a_collection_is_recorded_as_a_nested_gc_span():
     assert full and all(s["nested"] and s["t1"] >= s["t0"] for s in full)
 
 
-def test_trainer_detail_and_the_new_width_summary_by_hand():
+def test_trainer_detail_and_the_new_shape_summary_by_hand():
     sp = load_tool()
     # train_step 1-3 s holding make_batch 1-1.1, backward 1.1-2.5 with a gen-2 collection 2-2.4, optimizer 2.5-2.9
     spans = [{"name": "train_step", "t0": 1.0, "t1": 3.0, "nested": False},
@@ -63,16 +148,20 @@ def test_trainer_detail_and_the_new_width_summary_by_hand():
              {"name": "gc", "t0": 2.0, "t1": 2.4, "nested": True, "generation": 2, "collected": 0},
              {"name": "gc", "t0": 3.5, "t1": 3.6, "nested": True, "generation": 0, "collected": 0},  # after it
              {"name": "optimizer_step", "t0": 2.5, "t1": 2.9, "nested": True}]
-    shape = {"sequences": 8, "width": 12, "tokens": 80, "micro_batches": 1, "new_width": True,
-             "counters": {"cuda_mallocs": 3}}
-    t = sp.trainer_detail([shape], spans)
+    record = {"sequences": 8, "width": 12, "tokens": 80, "shapes": [(6, 12), (2, 9)], "new_shape": True,
+              "counters": {"cuda_mallocs": 3}}
+    t = sp.trainer_detail([record], spans)
     assert t["train_s"] == 2.0 and t["backward_s"] == pytest.approx(1.4) and t["optimizer_step_s"] == pytest.approx(0.4)
+    assert t["padded_tokens"] == 90 and t["s_per_1k_padded"] == pytest.approx(2.0 / 90 * 1e3)
     assert t["gc"] == {"n": 1, "s": pytest.approx(0.4), "oldest_generation": 2}
     assert sp.trainer_detail([], spans) is None
-    steps = [{"trainer": {**t, "train_s": 2.0}}, {"trainer": {**t, "new_width": False, "train_s": 0.5}},
-             {"trainer": {**t, "new_width": False, "train_s": 0.3}}, {"trainer": None}]
+    # a new shape that costs more per token, a longer batch of seen shapes that costs the same per token
+    steps = [{"trainer": {**t, "train_s": 2.0, "s_per_1k_padded": 20.0}},
+             {"trainer": {**t, "new_shape": False, "train_s": 0.5, "s_per_1k_padded": 5.0}},
+             {"trainer": {**t, "new_shape": False, "train_s": 1.0, "s_per_1k_padded": 5.0}}, {"trainer": None}]
     tr = sp.training_summary(steps)
-    assert tr["new_width_mean_s"] == 2.0 and tr["seen_width_mean_s"] == pytest.approx(0.4)
+    assert tr["new_shape_mean_s"] == 2.0 and tr["seen_shapes_mean_s"] == pytest.approx(0.75)
+    assert tr["new_shape_s_per_1k_padded"] == 20.0 and tr["seen_shapes_s_per_1k_padded"] == 5.0
     assert tr["counters"] == {"cuda_mallocs": 9} and len(tr["per_step"]) == 3
 
 
@@ -103,10 +192,11 @@ def test_two_steps_on_the_cpu_engine(tiny_model_dir, tmp_path):
         assert all(r["status"] == 200 and r["end_s"] >= r["start_s"] for r in mine)
         assert [x["name"] for x in s["spans"]].count("train_step") == 1
         t = s["trainer"]  # inside train_step: every valid trajectory, in micro-batches, parts within it
-        assert t["sequences"] <= s["row"]["samples"] and t["micro_batches"] >= 1
-        assert t["sequences"] <= t["tokens"] <= t["sequences"] * t["width"]
-        assert t["make_batch_s"] + t["backward_s"] + t["optimizer_step_s"] <= t["train_s"]
-        assert t["backward_s"] > 0 and t["new_width"] == (s["step"] == 1 or t["width"] != record["steps"][0]["trainer"]["width"])
+        assert t["sequences"] <= s["row"]["samples"] and sum(rows for rows, _ in t["shapes"]) == t["sequences"]
+        assert t["sequences"] <= t["tokens"] <= t["padded_tokens"] <= t["sequences"] * t["width"]
+        assert t["make_batch_s"] + t["backward_s"] + t["optimizer_step_s"] <= t["train_s"] and t["backward_s"] > 0
+        seen = {tuple(shape) for earlier in record["steps"][:s["step"] - 1] for shape in earlier["trainer"]["shapes"]}
+        assert t["new_shape"] == any(tuple(shape) not in seen for shape in t["shapes"])
         assert sum(s["parts"].values()) == pytest.approx(s["wall_s"], rel=1e-6)
         assert s["server_s"] + s["kernel_s"] == pytest.approx(s["wall_s"]) and 0 < s["server_share"] < 1
         starts = [t["start_s"] for t in s["timeline"]]
@@ -115,5 +205,5 @@ def test_two_steps_on_the_cpu_engine(tiny_model_dir, tmp_path):
     top = record["summary"]["top_non_decoding"]
     assert 1 <= len(top) <= 5 and not {c["what"] for c in top} & {"server: POST /generate rollout", "train: train_step"}
     assert record["summary"]["steps"] == [2]
-    assert [r["width"] for r in record["summary"]["training"]["per_step"]] == [record["steps"][1]["trainer"]["width"]]
-    assert "training per step (padded width, * = new to the run)" in proc.stdout
+    assert [r["shapes"] for r in record["summary"]["training"]["per_step"]] == [record["steps"][1]["trainer"]["shapes"]]
+    assert "training per step (* = met a micro-batch shape new to the run)" in proc.stdout

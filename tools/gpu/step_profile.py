@@ -20,11 +20,12 @@ in one event loop and records, per step:
              per event loop); and the async phases rollouts, publish,
              save_and_reload (save + publish + the served-adapter check)
   trainer    inside train_step (issue 26: its time swung 0.03-2.08 s step to step on the H200): the
-             batch's shape (sequences x padded width, real tokens, micro-batches, whether the
-             width is new to this run), make_batch / backward / optimizer_step seconds, Python's
-             garbage collections that ran during it (gc.callbacks), and the deltas over it of
-             the CUDA caching allocator's device mallocs, frees and retries and of torch.compile's
-             graphs; the summary sets the steps whose width was new beside those that repeat one
+             batch (sequences x padded width, real tokens), the (rows, length) of each micro-batch
+             the model saw and whether one is new to the run, seconds per 1k padded tokens,
+             make_batch / backward / optimizer_step seconds, Python's garbage collections on its
+             thread during it (gc.callbacks), and the change over it of the CUDA caching
+             allocator's device mallocs, frees and retries and of torch.compile's graphs; the
+             summary sets the steps that met a new shape beside those that did not
   stalls     event-loop stalls over 20 ms (a task sleeping 10 ms that woke late), and how much
              of them no known synchronous span explains
   phases     rollout_s, train_s, reload_s of the step's history row; verify_s (the served-adapter
@@ -59,6 +60,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -110,13 +112,14 @@ class Recorder:
     requests: list[Request] = field(default_factory=list)
     spans: list[dict] = field(default_factory=list)
     stalls: list[tuple[float, float]] = field(default_factory=list)
-    trainer: list[dict] = field(default_factory=list)  # one record per train_step (instrument_trainer)
+    train_records: list[dict] = field(default_factory=list)  # one per train_step (instrument_trainer)
     depth: int = 0  # synchronous spans open now (a nested one is its parent's time)
-    widths_seen: set[int] = field(default_factory=set)  # padded batch widths of the run so far
+    shapes_seen: set[tuple[int, int]] = field(default_factory=set)  # micro-batch (rows, length) of the run so far
+    training_thread: int | None = None  # the thread inside train_step now (gc is recorded there only)
 
     def take(self) -> tuple[list[Request], list[dict], list[tuple[float, float]], list[dict]]:
-        out = (self.requests, self.spans, self.stalls, self.trainer)
-        self.requests, self.spans, self.stalls, self.trainer = [], [], [], []
+        out = (self.requests, self.spans, self.stalls, self.train_records)
+        self.requests, self.spans, self.stalls, self.train_records = [], [], [], []
         return out
 
 
@@ -239,10 +242,7 @@ def instrument_run(run: GRPORun, rec: Recorder):
     for obj, attr, name in [(trainer, "train_step", "train_step"), (trainer, "score_tokens", "trainer_score"),
                             (run, "_save_fn", "save_adapter"), (run.history, "append", "history_write")]:
         setattr(obj, attr, _sync_span(rec, name, getattr(obj, attr)))
-    if all(hasattr(trainer, n) for n in (*TRAINER_PARTS, "micro_batches")):
-        instrument_trainer(trainer, rec)
-    else:  # a trainer of ranks (trainer_ranks > 1) steps elsewhere
-        print(f"note: {type(trainer).__name__} not looked into (no make_batch/backward/optimizer_step)", flush=True)
+    instrument_trainer(trainer, rec)
     for attr in ("apply_chat_template", "encode", "decode"):
         try:  # best effort: a tokenizer class that refuses instance attributes is left untimed
             setattr(tok, attr, _sync_span(rec, "tokenizer", getattr(tok, attr)))
@@ -265,7 +265,7 @@ def instrument_run(run: GRPORun, rec: Recorder):
 
 
 # ---- inside train_step ---------------------------------------------------------------------------
-def device_counters() -> dict[str, int]:
+def one_off_counters() -> dict[str, int]:
     """Counters whose change over a train_step names a one-off cost: the CUDA caching allocator's
     device mallocs, frees and retries (a retry frees the cache and synchronises the GPU), and the
     graphs torch.compile made (a new shape can recompile). Empty where neither is in use."""
@@ -283,11 +283,14 @@ def device_counters() -> dict[str, int]:
 
 
 def _gc_recorder(rec: Recorder):
-    """A gc.callbacks entry recording each collection as a nested span "gc" (never a part of its own:
-    it is the time of whatever it interrupted), with its generation and what it collected."""
+    """A gc.callbacks entry recording each collection made on the thread inside train_step while
+    it runs, as a span "gc" with its generation and what it collected. Marked nested: it is the
+    time of whatever it interrupted, never a part of the step of its own."""
     started: dict[int, float] = {}
 
     def on_gc(phase: str, info: dict) -> None:
+        if rec.training_thread != threading.get_ident():
+            return
         if phase == "start":
             started[info["generation"]] = time.perf_counter()
         elif info["generation"] in started:
@@ -297,50 +300,57 @@ def _gc_recorder(rec: Recorder):
 
 
 def instrument_trainer(trainer, rec: Recorder) -> None:
-    """Time train_step's parts as nested spans and record, per train_step, its batch's shape and
-    the device counters' deltas (rec.trainer). Instance attributes: train_step looks them up."""
+    """Time train_step's parts as nested spans and keep one record per train_step (rec.train_records):
+    its batch, the (rows, length) of each micro-batch the model saw (each cut to its own longest
+    sequence: the shapes an allocator or a compiled graph meets), and the one-off counters'
+    change over it. Instance attributes, which train_step looks up; a trainer of ranks
+    (RankedTrainer, rank 0's `local` doing the work) is looked into through its local trainer."""
+    worker = getattr(trainer, "local", trainer)
     for name in TRAINER_PARTS:
-        setattr(trainer, name, _sync_span(rec, name, getattr(trainer, name)))
-    make_batch, micro_batches = trainer.make_batch, trainer.micro_batches
+        setattr(worker, name, _sync_span(rec, name, getattr(worker, name)))
+    make_batch, micro_batches, train_step = worker.make_batch, worker.micro_batches, trainer.train_step
 
-    def shaped(groups):
+    def make_batch_recorded(groups):
         batch = make_batch(groups)
-        width = int(batch.input_ids.shape[1])
-        rec.trainer.append({"sequences": int(batch.input_ids.shape[0]), "width": width,
-                            "tokens": int(batch.attention_mask.sum()), "micro_batches": 0,
-                            "new_width": width not in rec.widths_seen})
-        rec.widths_seen.add(width)
+        rec.train_records[-1].update(sequences=int(batch.input_ids.shape[0]), width=int(batch.input_ids.shape[1]),
+                                     tokens=int(batch.attention_mask.sum()))
         return batch
 
-    def counted(batch):
+    def micro_batches_recorded(batch):
         for mb in micro_batches(batch):
-            if rec.trainer:
-                rec.trainer[-1]["micro_batches"] += 1
+            rec.train_records[-1]["shapes"].append(tuple(int(n) for n in mb.input_ids.shape))
             yield mb
 
-    trainer.make_batch, trainer.micro_batches = shaped, counted
-    train_step = trainer.train_step  # already the timed span: the counters bracket it
-
-    def counting(groups):
-        before = device_counters()
+    def train_step_recorded(groups):
+        record = {"sequences": 0, "width": 0, "tokens": 0, "shapes": []}
+        rec.train_records.append(record)
+        before, rec.training_thread = one_off_counters(), threading.get_ident()
         try:
             return train_step(groups)
         finally:
-            after = device_counters()
-            if rec.trainer:
-                rec.trainer[-1]["counters"] = {k: after[k] - before.get(k, 0) for k in after}
-    trainer.train_step = counting
+            rec.training_thread = None
+            after = one_off_counters()
+            record["counters"] = {k: after[k] - before.get(k, 0) for k in after}
+            record["new_shape"] = any(shape not in rec.shapes_seen for shape in record["shapes"])
+            rec.shapes_seen.update(record["shapes"])
+
+    worker.make_batch, worker.micro_batches = make_batch_recorded, micro_batches_recorded
+    trainer.train_step = train_step_recorded
 
 
 def trainer_detail(records: list[dict], spans: list[dict]) -> dict | None:
-    """The step's train_step seen from inside: shape, parts, collections within it, counters."""
+    """The step's train_step seen from inside: its batch and micro-batch shapes, seconds per 1k
+    padded tokens (rows x length summed over the micro-batches: the work, so a long batch is not
+    mistaken for a slow one), its parts, the collections within it, the one-off counters."""
     outer = [s for s in spans if s["name"] == TRAIN]
     if not records or not outer:
         return None
     t0, t1 = outer[0]["t0"], outer[0]["t1"]
     inside = [s for s in spans if t0 <= s["t0"] and s["t1"] <= t1]
     collections = [s for s in inside if s["name"] == "gc"]
-    return {**records[0], "train_s": t1 - t0,
+    padded = sum(rows * length for rows, length in records[0]["shapes"])
+    return {**records[0], "train_s": t1 - t0, "padded_tokens": padded,
+            "s_per_1k_padded": (t1 - t0) / padded * 1e3 if padded else None,
             **{f"{n}_s": sum(s["t1"] - s["t0"] for s in inside if s["name"] == n) for n in TRAINER_PARTS},
             "gc": {"n": len(collections), "s": sum(s["t1"] - s["t0"] for s in collections),
                    "oldest_generation": max((s["generation"] for s in collections), default=None)}}
@@ -403,7 +413,7 @@ def collapsed_timeline(t0: float, reqs: list[Request], spans: list[dict]) -> lis
     return out
 
 
-def analyse_step(step_no: int, t0: float, t1: float, row: dict, reqs, spans, stalls, trainer=()) -> dict:
+def analyse_step(step_no: int, t0: float, t1: float, row: dict, reqs, spans, stalls, train_records=()) -> dict:
     for r in reqs:
         classify(r)
         r.t1 = r.t1 if r.t1 is not None else t1
@@ -433,7 +443,7 @@ def analyse_step(step_no: int, t0: float, t1: float, row: dict, reqs, spans, sta
         "row": {k: row.get(k) for k in ("reward_mean", "update_skipped", "samples", "groups", "hit_rate",
                                           "completion_tokens", "restarts", "probe_mad")},
         "timeline": collapsed_timeline(t0, mine, spans),
-        "trainer": trainer_detail(list(trainer), spans),
+        "trainer": trainer_detail(list(train_records), spans),
         "requests": [{"what": r.label, "task": r.task, "start_s": r.t0 - t0, "end_s": r.t1 - t0,
                       "headers_s": None if r.t_headers is None else r.t_headers - t0, "status": r.status,
                       "req_bytes": r.req_bytes, "resp_bytes": r.resp_bytes, "samples": r.samples} for r in reqs],
@@ -462,9 +472,10 @@ def summarise(steps: list[dict]) -> dict:
 
 
 def training_summary(steps: list[dict]) -> dict | None:
-    """train_step per step with its shape, and the means of the steps whose padded width was new to
-    the run beside those that repeated one: a cost paid once per new shape shows as a gap between
-    the two (issue 26's swings), a cost that follows the work does not."""
+    """train_step per step with its shapes, and the steps that met a micro-batch shape new to the run
+    beside those that met only shapes seen before, in seconds and in seconds per 1k padded tokens:
+    a cost paid once per new shape (allocation, a recompile) shows as a gap in both; a batch that is
+    merely longer shows in seconds only (issue 26's swings)."""
     rows = [s["trainer"] for s in steps if s.get("trainer")]
     if not rows:
         return None
@@ -472,11 +483,14 @@ def training_summary(steps: list[dict]) -> dict | None:
     counters: Counter[str] = Counter()
     for r in rows:
         counters.update(r.get("counters", {}))
-    return {"per_step": [{k: r[k] for k in ("train_s", "sequences", "width", "tokens", "micro_batches", "new_width")}
-                         for r in rows],
-            "new_width_mean_s": mean([r["train_s"] for r in rows if r["new_width"]]),
-            "seen_width_mean_s": mean([r["train_s"] for r in rows if not r["new_width"]]),
-            "gc_s": sum(r["gc"]["s"] for r in rows), "counters": dict(counters)}
+    split = {}
+    for label, new in (("new_shape", True), ("seen_shapes", False)):
+        mine = [r for r in rows if r["new_shape"] is new]
+        split[f"{label}_mean_s"] = mean([r["train_s"] for r in mine])
+        split[f"{label}_s_per_1k_padded"] = mean([r["s_per_1k_padded"] for r in mine if r["s_per_1k_padded"]])
+    return {"per_step": [{k: r[k] for k in ("train_s", "sequences", "width", "tokens", "shapes", "new_shape",
+                                            "s_per_1k_padded")} for r in rows],
+            **split, "gc_s": sum(r["gc"]["s"] for r in rows), "counters": dict(counters)}
 
 
 # ---- printing ------------------------------------------------------------------------------------
@@ -502,10 +516,12 @@ def trainer_line(t: dict) -> str:
     counters = ", ".join(f"{k} +{v}" for k, v in t.get("counters", {}).items() if v) or "no allocator/compile events"
     gc_part = (f"gc {t['gc']['n']}x {t['gc']['s']:.3f} s (oldest gen {t['gc']['oldest_generation']})"
                if t["gc"]["n"] else "no gc")
-    return (f"train_step {t['train_s']:.3f} s: {t['sequences']} x {t['width']} ({t['tokens']} tokens, "
-            f"{t['micro_batches']} micro-batches, width {'new' if t['new_width'] else 'seen before'}) | "
-            f"make_batch {t['make_batch_s']:.3f} backward {t['backward_s']:.3f} optimizer {t['optimizer_step_s']:.3f} | "
-            f"{gc_part} | {counters}")
+    shapes = " ".join(f"{r}x{n}" for r, n in t["shapes"])
+    per_1k = "-" if t["s_per_1k_padded"] is None else f"{t['s_per_1k_padded']:.4f}"
+    return (f"train_step {t['train_s']:.3f} s: {t['sequences']} x {t['width']} ({t['tokens']} tokens), micro-batches "
+            f"{shapes or '-'} ({'a shape new to the run' if t['new_shape'] else 'shapes seen before'}), "
+            f"{per_1k} s per 1k padded | make_batch {t['make_batch_s']:.3f} backward {t['backward_s']:.3f} "
+            f"optimizer {t['optimizer_step_s']:.3f} | {gc_part} | {counters}")
 
 
 def print_summary(sm: dict) -> None:
@@ -525,10 +541,11 @@ def print_summary(sm: dict) -> None:
         print(f"    {i}. {c['what']}: {c['s']:.3f} s/step ({100 * (c['share'] or 0):.1f} %)")
     tr = sm.get("training")
     if tr:
-        f = lambda v: "-" if v is None else f"{v:.3f} s"  # noqa: E731
-        steps = ", ".join(f"{r['train_s']:.3f} ({r['width']}{'*' if r['new_width'] else ''})" for r in tr["per_step"])
-        print(f"  training per step (padded width, * = new to the run): {steps}")
-        print(f"  training mean: new width {f(tr['new_width_mean_s'])}, width seen before {f(tr['seen_width_mean_s'])}; "
+        f = lambda v, unit="s": "-" if v is None else f"{v:.4f} {unit}"  # noqa: E731
+        steps = ", ".join(f"{r['train_s']:.3f}{'*' if r['new_shape'] else ''}" for r in tr["per_step"])
+        print(f"  training per step (* = met a micro-batch shape new to the run): {steps}")
+        print(f"  training mean: new shape {f(tr['new_shape_mean_s'])} ({f(tr['new_shape_s_per_1k_padded'], 's/1k')}), "
+              f"shapes seen before {f(tr['seen_shapes_mean_s'])} ({f(tr['seen_shapes_s_per_1k_padded'], 's/1k')}); "
               f"gc inside train_step {tr['gc_s']:.3f} s; " +
               (", ".join(f"{k} +{v}" for k, v in tr["counters"].items()) or "no allocator/compile counters"))
 

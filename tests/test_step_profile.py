@@ -108,7 +108,7 @@ def test_the_trainer_is_looked_into_one_record_per_train_step():
     assert all(s["nested"] for s in spans if s["name"] in (*sp.TRAINER_PARTS, "gc"))
 
 
-def test_the_gc_callback_is_removed_when_the_run_fails(monkeypatch):
+def test_the_gc_callback_is_removed_when_the_run_fails():
     sp = load_tool()
     trainer = StubTrainer()
     trainer.tokenizer = SimpleNamespace(apply_chat_template=None, encode=None, decode=None)

@@ -512,8 +512,13 @@ def print_step(s: dict) -> None:
               f"{e['resp_bytes'] / 1024:8.1f}")
 
 
+def counters_text(counters: dict[str, int]) -> str:
+    """The one-off counters that moved, as "name +n", or that none did."""
+    return ", ".join(f"{k} +{v}" for k, v in counters.items() if v) or "no allocator/compile events"
+
+
 def trainer_line(t: dict) -> str:
-    counters = ", ".join(f"{k} +{v}" for k, v in t.get("counters", {}).items() if v) or "no allocator/compile events"
+    counters = counters_text(t.get("counters", {}))
     gc_part = (f"gc {t['gc']['n']}x {t['gc']['s']:.3f} s (oldest gen {t['gc']['oldest_generation']})"
                if t["gc"]["n"] else "no gc")
     shapes = " ".join(f"{r}x{n}" for r, n in t["shapes"])
@@ -546,8 +551,7 @@ def print_summary(sm: dict) -> None:
         print(f"  training per step (* = met a micro-batch shape new to the run): {steps}")
         print(f"  training mean: new shape {f(tr['new_shape_mean_s'])} ({f(tr['new_shape_s_per_1k_padded'], 's/1k')}), "
               f"shapes seen before {f(tr['seen_shapes_mean_s'])} ({f(tr['seen_shapes_s_per_1k_padded'], 's/1k')}); "
-              f"gc inside train_step {tr['gc_s']:.3f} s; " +
-              (", ".join(f"{k} +{v}" for k, v in tr["counters"].items()) or "no allocator/compile counters"))
+              f"gc inside train_step {tr['gc_s']:.3f} s; {counters_text(tr['counters'])}")
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -558,6 +562,10 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
                                                       "max_new_tokens", "schedule", "run_dir")},
               "steps": []}
     monitor = asyncio.create_task(watch_loop(rec))
+
+    def save() -> None:
+        if out:
+            write_atomic(out, json.dumps(record, indent=1, default=str))
     try:
         record["schedule"] = resolve_schedule(cfg.schedule, run.task.max_turns)
         record["max_turns"] = run.task.max_turns
@@ -572,16 +580,15 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
                 print_step(s)
                 record["steps"].append(s)
                 record["summary"] = summarise(record["steps"])
-                if out:
-                    write_atomic(out, json.dumps(record, indent=1, default=str))
+                save()
         problem = getattr(run.client, "native_n_problem", None)
         record["balanced_n"] = bool(problem and await problem())  # asked once already: no request
     finally:
         monitor.cancel()
         run.stop()
     print_summary(record["summary"])
+    save()
     if out:
-        write_atomic(out, json.dumps(record, indent=1, default=str))
         print(f"\nwritten: {out}")
     return record
 

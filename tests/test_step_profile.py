@@ -113,7 +113,7 @@ def test_the_gc_callback_is_removed_when_the_run_fails():
     trainer = StubTrainer()
     trainer.tokenizer = SimpleNamespace(apply_chat_template=None, encode=None, decode=None)
     trainer.score_tokens = lambda ids: []
-    run = SimpleNamespace(trainer=trainer, _save_fn=lambda *a: None, history=SimpleNamespace(append=lambda r: None),
+    run = SimpleNamespace(trainer=trainer, _save_served=lambda *a: None, history=SimpleNamespace(append=lambda r: None),
                           _rollouts=None, _save_and_reload=None, supervisor=SimpleNamespace(publish=None))
     before = list(gc.callbacks)
     with pytest.raises(RuntimeError, match="cut short"):

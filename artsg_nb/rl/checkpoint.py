@@ -1,14 +1,37 @@
 """What a trainer checkpoint holds on disk besides the adapter: the optimizer state as
-safetensors (tensors) plus JSON (param groups, scalars), and the error a corrupt or foreign
-checkpoint raises, naming the file and what to do.
+safetensors (tensors) plus JSON (param groups, scalars, step, RNG, config), the error a corrupt or
+foreign checkpoint raises, naming the file and what to do, and the writer that puts a checkpoint on
+disk off the step's critical path.
 
-What it does not do: decide what is saved when (trainer.py, lora.py).
+A checkpoint is complete when its `trainer_state.json` exists: `write_checkpoint` writes the
+optimizer file first and the state file last, by rename, so a write cut short (killed kernel,
+full disk) leaves a version that resume skips (lora.latest_checkpoint).
+
+`CheckpointWriter` (issue 26, reload <= 0.1 s): the server needs only the adapter, so the step
+saves the adapter, hands a `CheckpointSnapshot` (the optimizer state copied into CPU memory, a few
+milliseconds) to one background thread, and goes on to reload; the optimizer state, twice the
+adapter's size, is written while the next step's rollouts run. One write at a time, in order; a
+failed write is logged and its snapshot kept in memory, so a rollback to that version still works.
+
+What it does not do: decide what is saved when (trainer.py, lora.py, run/session.py).
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILE = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "trainer_state.json"
 
 
 class CheckpointError(RuntimeError):
@@ -35,7 +58,8 @@ def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     for pid, st in sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                tensors[f"state.{pid}.{k}"] = v.detach().cpu().contiguous()
+                # a copy even on a CPU trainer: the snapshot must not move with the next optimizer step
+                tensors[f"state.{pid}.{k}"] = v.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars[f"{pid}.{k}"] = v
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
@@ -51,3 +75,76 @@ def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict, meta: dict
         pid, k = key.split(".", 1)
         state.setdefault(int(pid), {})[k] = v
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+@dataclass(frozen=True)
+class CheckpointSnapshot:
+    """A trainer's resumable state besides its adapter, copied into CPU memory at one step."""
+
+    tensors: dict[str, torch.Tensor]
+    """optimizer.safetensors: the optimizer's tensors (`state.<param>.<name>`) and `rng.torch`."""
+    state: dict
+    """trainer_state.json: step, optimizer meta, Python RNG state, trainer config (JSON-ready)."""
+
+
+def write_checkpoint(snapshot: CheckpointSnapshot, path: str | Path) -> None:
+    """`snapshot` into `path` (next to its adapter): the optimizer file, then the state file by
+    rename, so the state file exists only beside a complete optimizer file."""
+    path = Path(path)
+    save_file(snapshot.tensors, str(path / OPTIMIZER_FILE))
+    tmp = path / f".{STATE_FILE}.tmp"
+    tmp.write_text(json.dumps(snapshot.state))
+    os.replace(tmp, path / STATE_FILE)
+
+
+class CheckpointWriter:
+    """Writes one trainer's checkpoints in a background thread, one at a time (module docstring)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._newest: tuple[Path, CheckpointSnapshot] | None = None
+        self.failed: Path | None = None
+        """The version directory whose checkpoint could not be written (its snapshot is kept)."""
+
+    def submit(self, snapshot: CheckpointSnapshot, path: str | Path) -> None:
+        """Write `snapshot` into `path` in the background, after the write before it."""
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-checkpoint")
+        self._newest = (Path(path), snapshot)
+        self._pending = self._pool.submit(write_checkpoint, snapshot, path)
+
+    def wait(self) -> None:
+        """Block until the newest checkpoint is on disk. A failed write is logged, not raised: the
+        run goes on (its adapter is saved and served) and a resume starts from the checkpoint
+        before it; the partial files are removed and the snapshot stays (`unwritten`)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        path = self._newest[0]
+        try:
+            pending.result()
+            self.failed = None
+        except Exception as e:  # noqa: BLE001 — disk full, permissions, safetensors' own errors
+            self.failed = path
+            for name in (OPTIMIZER_FILE, f".{STATE_FILE}.tmp", STATE_FILE):
+                (path / name).unlink(missing_ok=True)
+            log.warning("the checkpoint of %s could not be written (%s: %s); the run goes on with its adapter "
+                        "served, a resume would start from the checkpoint before it. Try: free disk space "
+                        "under %s", path.name, type(e).__name__, e, path.parent)
+
+    def unwritten(self, path: str | Path) -> CheckpointSnapshot | None:
+        """The snapshot of `path` when its write failed (a rollback to that version restores it
+        from memory), else None."""
+        self.wait()
+        if self.failed is not None and self._newest is not None and self.failed == Path(path):
+            return self._newest[1]
+        return None
+
+    def close(self) -> None:
+        """Wait for the newest write, then stop the thread."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None

@@ -268,7 +268,8 @@ class RankedTrainer:
         self._send({"op": "load", "path": str(path)})
 
     def close(self) -> None:
-        """Stop the ranks (a stop command, then their process groups) and leave the process group."""
+        """Stop the ranks (a stop command, then their process groups), leave the process group, and
+        wait for rank 0's checkpoint still being written."""
         try:
             if all(p.poll() is None for p in self.workers.procs):
                 self._send({"op": "stop"})
@@ -279,6 +280,8 @@ class RankedTrainer:
             self.workers.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if "local" in self.__dict__:  # not yet there when its load failed
+                self.local.close()  # its checkpoint still being written
 
     def _send(self, command: dict) -> None:
         dead = [(r + 1, p.returncode) for r, p in enumerate(self.workers.procs) if p.poll() is not None]

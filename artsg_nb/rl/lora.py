@@ -26,12 +26,11 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from .checkpoint import CheckpointError
+from .checkpoint import ADAPTER_FILE, CheckpointError
 from ..engines import UnknownAdapterError
 
 log = logging.getLogger(__name__)
 
-ADAPTER_FILE = "adapter_model.safetensors"
 STALE_TMP_S = 600.0  # a half-written adapter directory untouched this long is left from a crash
 
 

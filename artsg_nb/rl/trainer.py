@@ -28,7 +28,9 @@ from safetensors.torch import load_file, save_file
 # before their first import, and importing Unsloth initialises CUDA, so it waits for the GPU plan
 # (trainer._load_unsloth). Importing artsg_nb.run.session therefore imports none of them.
 from ..rollout.trajectory import is_trainable
-from .checkpoint import CheckpointError, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint_file
+from .checkpoint import (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE, CheckpointError, CheckpointSnapshot,
+                         CheckpointWriter, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint_file,
+                         write_checkpoint)
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
 from .step_stats import StepStats, batch_counts, is_ratio_stats
 
@@ -99,10 +101,12 @@ class Trainer:
         self.model, self.tokenizer, self.backend = _load_model(cfg, self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        self.checkpoints = CheckpointWriter()
         log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(params))
 
     def close(self) -> None:
-        """Nothing to stop in this process (distributed.RankedTrainer stops its ranks)."""
+        """Wait for the checkpoint still being written (distributed.RankedTrainer also stops its ranks)."""
+        self.checkpoints.close()
 
     # ---- one GRPO update -------------------------------------------------------------------
     def train_step(self, groups) -> dict:
@@ -269,32 +273,50 @@ class Trainer:
         finally:
             config.inference_mode = inference_mode
 
-    def save_checkpoint(self, path: str | Path) -> None:
-        """Optimizer state, step and RNG next to an adapter already saved in `path`."""
+    def save_checkpoint(self, path: str | Path, wait: bool = True) -> None:
+        """Optimizer state, step and RNG next to an adapter already saved in `path`. wait=False:
+        copied now (milliseconds), written by a background thread while the caller goes on
+        (checkpoint.CheckpointWriter); `wait_for_checkpoint`, `load_checkpoint` and `close` wait
+        for it."""
+        snapshot = self.checkpoint_snapshot()
+        if wait:
+            self.checkpoints.wait()  # in order: an earlier background write first
+            write_checkpoint(snapshot, path)
+        else:
+            self.checkpoints.submit(snapshot, path)
 
-        path = Path(path)
+    def checkpoint_snapshot(self) -> CheckpointSnapshot:
+        """What `save_checkpoint` writes, copied into CPU memory now."""
         tensors, meta = optimizer_to_tensors(self.optimizer)
         tensors["rng.torch"] = torch.get_rng_state()
-        save_file(tensors, str(path / "optimizer.safetensors"))
         state = {"step": self.step, "optimizer": meta, "python_random": _jsonable(random.getstate()),
                  "trainer_config": _jsonable(asdict(self.cfg))}
-        (path / "trainer_state.json").write_text(json.dumps(state))
+        return CheckpointSnapshot(tensors, state)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the newest checkpoint (save_checkpoint(wait=False)) is on disk."""
+        self.checkpoints.wait()
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore adapter weights, optimizer, step and RNG saved by `save_checkpoint`."""
+        """Restore adapter weights, optimizer, step and RNG saved by `save_checkpoint` (a version
+        whose background write failed: its optimizer state from memory)."""
         from peft import set_peft_model_state_dict
 
         path = Path(path)
-        missing = [n for n in ("adapter_model.safetensors", "optimizer.safetensors", "trainer_state.json")
-                   if not (path / n).exists()]
+        snapshot = self.checkpoints.unwritten(path)  # waits for a write still under way
+        needed = (ADAPTER_FILE,) if snapshot else (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE)
+        missing = [n for n in needed if not (path / n).exists()]
         if missing:
             raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); "
                                   "resume from an earlier step or start a new run directory")
         # Every file is read (and refused if corrupt) before anything is applied: a trainer
         # half-restored from a corrupt checkpoint would silently train on from mixed states.
-        state = read_checkpoint_file(path / "trainer_state.json", lambda f: json.loads(f.read_text()))
-        weights = read_checkpoint_file(path / "adapter_model.safetensors", lambda f: load_file(str(f)))
-        tensors = read_checkpoint_file(path / "optimizer.safetensors", lambda f: load_file(str(f)))
+        weights = read_checkpoint_file(path / ADAPTER_FILE, lambda f: load_file(str(f)))
+        if snapshot is None:
+            state = read_checkpoint_file(path / STATE_FILE, lambda f: json.loads(f.read_text()))
+            tensors = read_checkpoint_file(path / OPTIMIZER_FILE, lambda f: load_file(str(f)))
+        else:
+            state, tensors = snapshot.state, snapshot.tensors
         saved = state.get("trainer_config", {})
         for key in ("lora_rank", "lora_alpha", "target_modules"):
             if key in saved and _jsonable(getattr(self.cfg, key)) != saved[key]:

@@ -34,7 +34,7 @@ from ..rollout.evaluate import evaluate, history_fields
 from ..rl.export import export_adapter, export_merged
 from ..serving.gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History, step_row
-from ..rl.lora import (AdapterPublisher, AdapterSaveError, MaskedScorer, latest_checkpoint,
+from ..rl.lora import (AdapterPublisher, AdapterSaveError, AdapterVersion, MaskedScorer, latest_checkpoint,
                        probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic)
 from ..serving.metrics import HitRateTracker, cache_counters, hit_rate
 from ..models.pretrained import base_model_id, built_model_dir
@@ -401,8 +401,18 @@ class GRPORun:
         return {"zero_adv_groups": n_constant, "update_skipped": True}, 0.0, (None, None), (version, None, {})
 
     def _save_fn(self, tmp: Path) -> None:
+        """The adapter and its checkpoint, both written before the version is renamed into place."""
         self.trainer.save_adapter(tmp)
         self.trainer.save_checkpoint(tmp)
+
+    def _save_served(self) -> AdapterVersion:
+        """The trained adapter as a new version, its checkpoint written in the background: the
+        server needs only the adapter, so the optimizer state (twice its size) goes to disk while
+        the step reloads and the next one rolls out (rl/checkpoint.CheckpointWriter). Until then
+        the version has no trainer_state.json and a resume starts from the one before."""
+        version = save_adapter_atomic(self.trainer.save_adapter, self.run_dir / "adapters", self.trainer.step)
+        self.trainer.save_checkpoint(version.path, wait=False)
+        return version
 
     def _seeds(self, step: int) -> list[int]:
         return self.task.group_seeds(self.cfg.seed, step, self.cfg.groups_per_step)
@@ -440,7 +450,7 @@ class GRPORun:
         probe = probe_trajectory(groups)
         t0 = time.perf_counter()
         try:
-            version = save_adapter_atomic(self._save_fn, self.run_dir / "adapters", self.trainer.step)
+            version = self._save_served()
         except AdapterSaveError:
             # The update is dropped with its adapter: the trainer returns to the served version
             # (weights, optimizer, step, RNG), so the next step() redoes this step.
@@ -448,7 +458,11 @@ class GRPORun:
             log.warning("adapter of step %d not saved; trainer rolled back to %s", self.trainer.step + 1,
                         previous.name)
             raise
-        await self.supervisor.with_restarts(self.supervisor.publish, version)
+        try:
+            await self.supervisor.with_restarts(self.supervisor.publish, version)
+        except BaseException:
+            self.trainer.wait_for_checkpoint()  # the step stops here: its checkpoint on disk first
+            raise
         reload_s = time.perf_counter() - t0
         result = {}
         if self._verify_due(version.step) and probe is not None:

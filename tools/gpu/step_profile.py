@@ -240,7 +240,7 @@ def instrument_run(run: GRPORun, rec: Recorder):
     two module-level names of session.py, put back on exit."""
     trainer, tok = run.trainer, run.trainer.tokenizer
     for obj, attr, name in [(trainer, "train_step", "train_step"), (trainer, "score_tokens", "trainer_score"),
-                            (run, "_save_fn", "save_adapter"), (run.history, "append", "history_write")]:
+                            (run, "_save_served", "save_adapter"), (run.history, "append", "history_write")]:
         setattr(obj, attr, _sync_span(rec, name, getattr(obj, attr)))
     instrument_trainer(trainer, rec)
     for attr in ("apply_chat_template", "encode", "decode"):

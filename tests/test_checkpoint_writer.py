@@ -1,0 +1,123 @@
+"""Issue 26, off the step's critical path: the optimizer state written in the background while the
+step reloads and the next one rolls out.
+
+Checked by behaviour: the checkpoint on disk is the
+state at the step it was taken, whatever the trainer did meanwhile; a failed background write is
+logged, leaves no half checkpoint and still rolls back; a GRPO step returns while its checkpoint
+is still being written, and the checkpoint lands afterwards.
+"""
+import asyncio
+import errno
+import logging
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from artsg_nb.rl import checkpoint as checkpoint_module
+from artsg_nb.rl.trainer import Trainer, TrainerConfig
+from artsg_nb.run.session import GRPORun, RunConfig
+from scripted_tasks import ADDITION_WITH_SIGNAL
+
+
+def _groups():
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for gi in range(2):
+        prompt = torch.randint(5, 50, (6,), generator=g).tolist()
+        trajs = []
+        for i in range(4):
+            ids = prompt + torch.randint(5, 50, (3 + i,), generator=g).tolist()
+            mask = [0] * 6 + [1] * (len(ids) - 6)
+            trajs.append(SimpleNamespace(token_ids=ids, completion_mask=mask, reward=float(i % 2), error=None,
+                                         logprobs=[-2.0 if m else 0.0 for m in mask]))
+        out.append(SimpleNamespace(trajectories=trajs))
+    return out
+
+
+@pytest.fixture
+def make_trainer(tiny_model_dir):
+    def make(**kw):
+        return Trainer(TrainerConfig(model_path=str(tiny_model_dir), learning_rate=1e-2, seed=0, device="cpu", **kw))
+    return make
+
+
+def _lora(tr):
+    return {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+
+
+def _optimizer_tensors(tr):
+    return {k: v.clone() for k, v in checkpoint_module.optimizer_to_tensors(tr.optimizer)[0].items()}
+
+
+# ---- checkpoints written in the background ------------------------------------------------------
+@pytest.fixture
+def held_writes(monkeypatch):
+    """write_checkpoint waits until `release` is set (at most 30 s): a write still under way."""
+    release, started = threading.Event(), threading.Event()
+    real = checkpoint_module.write_checkpoint
+
+    def held(snapshot, path):
+        started.set()
+        release.wait(30)
+        return real(snapshot, path)
+
+    monkeypatch.setattr(checkpoint_module, "write_checkpoint", held)
+    return SimpleNamespace(release=release, started=started)
+
+
+def test_the_background_checkpoint_is_the_state_it_was_taken_at(make_trainer, tmp_path, held_writes):
+    a = make_trainer()
+    a.train_step(_groups())
+    a.save_adapter(tmp_path)
+    at_step_1 = _optimizer_tensors(a)
+    a.save_checkpoint(tmp_path, wait=False)
+    assert held_writes.started.wait(10) and not (tmp_path / "trainer_state.json").exists()
+    a.train_step(_groups())  # moves the optimizer state while the write waits
+    held_writes.release.set()
+    a.wait_for_checkpoint()
+    b = make_trainer()
+    b.load_checkpoint(tmp_path)
+    assert b.step == 1
+    loaded = _optimizer_tensors(b)
+    assert loaded.keys() == at_step_1.keys() and all(torch.equal(loaded[k], at_step_1[k]) for k in at_step_1)
+
+
+def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still_rolls_back(
+        make_trainer, tmp_path, monkeypatch, caplog):
+    tr = make_trainer()
+    tr.train_step(_groups())
+    tr.save_adapter(tmp_path)
+    weights, optimizer = _lora(tr), _optimizer_tensors(tr)
+
+    def disk_full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 64)  # half written
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module, "save_file", disk_full)
+    with caplog.at_level(logging.WARNING, logger="artsg_nb.rl.checkpoint"):
+        tr.save_checkpoint(tmp_path, wait=False)
+        tr.wait_for_checkpoint()
+    assert "could not be written" in caplog.text and "No space left" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    tr.train_step(_groups())  # the next update, whose adapter then cannot be saved: roll back
+    tr.load_checkpoint(tmp_path)
+    assert tr.step == 1
+    assert all(torch.equal(weights[n], p) for n, p in _lora(tr).items())
+    assert all(torch.equal(optimizer[k], v) for k, v in _optimizer_tensors(tr).items())
+
+
+def test_a_step_returns_while_its_checkpoint_is_written_and_it_lands_after(tiny_model_dir, tmp_path, held_writes):
+    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
+                    group_size=4, groups_per_step=2, verify_adapter=False, verbose=False)
+    with GRPORun(cfg) as run:  # policy-step-0 is written at start, synchronously
+        row = asyncio.run(run.step())
+        version = run.run_dir / "adapters" / f"policy-step-{row['step']}"
+        assert not row.get("update_skipped") and run.adapter == version.name
+        assert held_writes.started.wait(10) and not (version / "trainer_state.json").exists()
+        held_writes.release.set()
+        run.trainer.wait_for_checkpoint()
+        assert (version / "trainer_state.json").exists() and (version / "optimizer.safetensors").exists()

@@ -18,3 +18,12 @@ def test_schedule_may_change_on_resume():
     # every schedule draws the same samples (rollout.request_seed), so it is operational
     saved = config_record(RunConfig(schedule="prefix"))
     check_resumable(saved, replace(RunConfig(), resume=True))
+
+
+def test_verify_every_below_one_is_refused_with_the_way_to_turn_the_check_off():
+    import pytest
+
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"verify_every=.*>= 1.*verify_adapter=False"):
+            RunConfig(verify_every=bad)
+    assert RunConfig(verify_every=1).verify_every == 1

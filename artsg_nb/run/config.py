@@ -153,6 +153,11 @@ class RunConfig:
     """Trackers that get every history row: "wandb", "trackio", "tensorboard", "mlflow"
     (trackers.py; each is optional and imported only when named here)."""
 
+    def __post_init__(self) -> None:
+        if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 1:
+            raise ValueError(f"verify_every={self.verify_every!r}: use a whole number of steps >= 1 (1: check the "
+                             "served adapter after every reload). To turn the check off, use verify_adapter=False.")
+
 
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""

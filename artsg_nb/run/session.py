@@ -485,4 +485,4 @@ class GRPORun:
         reload on a server (none checked since it started or restarted), then every verify_every steps."""
         cfg = self.cfg
         first_on_server = self._verified_on_server != self.supervisor.restarts
-        return cfg.verify_adapter and (first_on_server or cfg.verify_every <= 1 or step % cfg.verify_every == 0)
+        return cfg.verify_adapter and (first_on_server or step % cfg.verify_every == 0)

@@ -1,7 +1,7 @@
-"""Issue 26, off the step's critical path: the optimizer state written in the background while the
-step reloads and the next one rolls out.
+"""Issue 26, off the step's critical path: the trainer's warm-up while the server starts, and the
+optimizer state written in the background while the step reloads and the next one rolls out.
 
-Checked by behaviour: the checkpoint on disk is the
+Checked by behaviour: a warm trainer trains exactly like a cold one; the checkpoint on disk is the
 state at the step it was taken, whatever the trainer did meanwhile; a failed background write is
 logged, leaves no half checkpoint and still rolls back; a GRPO step returns while its checkpoint
 is still being written, and the checkpoint lands afterwards.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from artsg_nb.rl import checkpoint as checkpoint_module
-from artsg_nb.rl.trainer import Trainer, TrainerConfig
+from artsg_nb.rl.trainer import WARM_UP_SHAPES, Trainer, TrainerConfig
 from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
@@ -52,6 +52,43 @@ def _optimizer_tensors(tr):
     return {k: v.clone() for k, v in checkpoint_module.optimizer_to_tensors(tr.optimizer)[0].items()}
 
 
+# ---- warm-up ---------------------------------------------------------------------------------
+def test_a_warm_trainer_trains_exactly_like_a_cold_one(make_trainer):
+    cold = make_trainer(warm_up=False)
+    cold_rng = (torch.get_rng_state(), random.getstate())
+    warm = make_trainer(warm_up=True)
+    warm_rng = (torch.get_rng_state(), random.getstate())
+    assert cold.warm_up_s is None and warm.warm_up_s > 0
+    assert torch.equal(cold_rng[0], warm_rng[0]) and cold_rng[1] == warm_rng[1]
+    assert all(p.grad is None for p in warm.model.parameters()) and not warm.optimizer.state and warm.step == 0
+    before = _lora(cold)
+    assert all(torch.equal(before[n], p) for n, p in _lora(warm).items())
+    m_cold, m_warm = cold.train_step(_groups()), warm.train_step(_groups())
+    assert m_cold["loss"] == m_warm["loss"] and m_cold["grad_norm"] == m_warm["grad_norm"]
+    after_cold = _lora(cold)
+    assert all(torch.equal(after_cold[n], p) for n, p in _lora(warm).items())
+
+
+def test_warm_up_runs_the_updates_code_on_two_shapes_and_puts_every_draw_back(make_trainer, monkeypatch):
+    tr = make_trainer(warm_up=False)
+    seen, real = [], tr.micro_batch_loss
+
+    def drawing_loss(mb, n_seq, n_items):  # a model with dropout draws from the RNG in its forward
+        seen.append(tuple(mb.input_ids.shape))
+        torch.rand(3), random.random()
+        return real(mb, n_seq, n_items)
+
+    monkeypatch.setattr(tr, "micro_batch_loss", drawing_loss)
+    scored = []
+    monkeypatch.setattr(tr, "score_tokens", lambda ids, real=tr.score_tokens: scored.append(len(ids)) or real(ids))
+    rng, py = torch.get_rng_state(), random.getstate()
+    tr.warm_up()
+    assert seen == list(WARM_UP_SHAPES) and len({r for r, _ in seen}) == len({n for _, n in seen}) == 2
+    assert scored == [WARM_UP_SHAPES[0][1]]
+    assert torch.equal(torch.get_rng_state(), rng) and random.getstate() == py
+    assert all(p.grad is None for p in tr.model.parameters())
+
+
 # ---- checkpoints written in the background ------------------------------------------------------
 @pytest.fixture
 def held_writes(monkeypatch):
@@ -69,7 +106,7 @@ def held_writes(monkeypatch):
 
 
 def test_the_background_checkpoint_is_the_state_it_was_taken_at(make_trainer, tmp_path, held_writes):
-    a = make_trainer()
+    a = make_trainer(warm_up=False)
     a.train_step(_groups())
     a.save_adapter(tmp_path)
     at_step_1 = _optimizer_tensors(a)
@@ -78,7 +115,7 @@ def test_the_background_checkpoint_is_the_state_it_was_taken_at(make_trainer, tm
     a.train_step(_groups())  # moves the optimizer state while the write waits
     held_writes.release.set()
     a.wait_for_checkpoint()
-    b = make_trainer()
+    b = make_trainer(warm_up=False)
     b.load_checkpoint(tmp_path)
     assert b.step == 1
     loaded = _optimizer_tensors(b)
@@ -87,7 +124,7 @@ def test_the_background_checkpoint_is_the_state_it_was_taken_at(make_trainer, tm
 
 def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still_rolls_back(
         make_trainer, tmp_path, monkeypatch, caplog):
-    tr = make_trainer()
+    tr = make_trainer(warm_up=False)
     tr.train_step(_groups())
     tr.save_adapter(tmp_path)
     weights, optimizer = _lora(tr), _optimizer_tensors(tr)

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from .step_stats import StepStats, batch_counts, is_ratio_stats
 log = logging.getLogger(__name__)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WARM_UP_SHAPES = ((2, 48), (3, 80))
+"""The (rows, length) micro-batches of Trainer.warm_up: small, and different in both sizes."""
 
 
 @dataclass
@@ -72,6 +75,11 @@ class TrainerConfig:
     """Trade compute for memory on long sequences."""
     seed: int = 0
     """Seeds LoRA initialisation and the trainer's RNG."""
+    warm_up: bool = True
+    """Run the update's code once on made-up tokens when the trainer is built (`Trainer.warm_up`), so
+    the first real update does not pay the one-off costs: CUDA and cuBLAS start-up, Unsloth's and
+    torch.compile's compilation, the first imports. GRPORun builds the trainer while the server
+    starts, so these costs hide behind the server's start. Nothing of the trainer's state changes."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """The loss; `grpo.temperature` must equal the sampling temperature."""
 
@@ -103,10 +111,38 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.checkpoints = CheckpointWriter()
         log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(params))
+        self.warm_up_s = self.warm_up() if cfg.warm_up else None
+        """Seconds `warm_up` took when the trainer was built (None: TrainerConfig.warm_up off)."""
 
     def close(self) -> None:
         """Wait for the checkpoint still being written (distributed.RankedTrainer also stops its ranks)."""
         self.checkpoints.close()
+
+    def warm_up(self, shapes: tuple[tuple[int, int], ...] = WARM_UP_SHAPES) -> float:
+        """One forward and backward of the update's own code (`micro_batch_loss`) per (rows, length)
+        in `shapes`, on made-up tokens, and one `score_tokens`; seconds taken. Two shapes that differ
+        in both sizes: torch.compile compiles for the first and recompiles once with dynamic sizes at
+        the second, so real batches reuse that graph. The gradients are dropped and the RNG states put
+        back: weights, optimizer, step and every later draw are the same as without it (tests check)."""
+        t0 = time.perf_counter()
+        rng = _rng_states(self.device)
+        try:
+            self.model.train()
+            vocab = self.model.get_input_embeddings().num_embeddings
+            for rows, length in shapes:
+                mb = _made_up_batch(rows, length, vocab)
+                loss, _, _ = self.micro_batch_loss(_slice(mb, list(range(rows)), self.device), rows,
+                                                   mb.completion_mask.sum())
+                loss.backward()
+            self.score_tokens(_made_up_batch(1, shapes[0][1], vocab).input_ids[0].tolist())
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            _set_rng_states(rng)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the server may be measuring free memory right now
+        seconds = time.perf_counter() - t0
+        log.info("trainer warmed up in %.2f s (first-call costs, paid while the server starts)", seconds)
+        return seconds
 
     # ---- one GRPO update -------------------------------------------------------------------
     def train_step(self, groups) -> dict:
@@ -327,6 +363,30 @@ class Trainer:
         torch.set_rng_state(tensors["rng.torch"])
         random.setstate(_tuplify(state["python_random"]))
         self.step = state["step"]
+
+
+# ---- warm-up -----------------------------------------------------------------------------------
+def _made_up_batch(rows: int, length: int, vocab: int) -> Batch:
+    """A batch of fixed token ids (no RNG draw), the second half of each row a completion."""
+    ids = (torch.arange(rows * length).reshape(rows, length) * 7919 + 13) % vocab
+    completion = torch.zeros((rows, length - 1))
+    completion[:, length // 2:] = 1.0
+    return Batch(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=completion,
+                 sampling_logps=torch.full((rows, length - 1), -1.0), advantages=torch.linspace(-1.0, 1.0, rows),
+                 rewards=torch.zeros(rows, dtype=torch.float64), group_ids=torch.zeros(rows, dtype=torch.long))
+
+
+def _rng_states(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda, random.getstate()
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, cuda, python = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(python)
 
 
 # ---- model loading ---------------------------------------------------------------------------

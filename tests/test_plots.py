@@ -345,3 +345,24 @@ def test_plot_step_benchmark_stacks_phases_per_framework_and_job():
 def test_plot_step_benchmark_empty():
     fig = plots.plot_step_benchmark(pd.DataFrame())
     assert [t.get_text() for t in fig.axes[0].texts] == ["no data"]
+
+
+def test_plot_step_benchmark_names_a_pipelined_row_and_draws_its_measured_step():
+    """A pipelined row's phases overlap (rollout 0.5 + train 0.3 + reload 0.2 = 1.0 s of phases in
+    a 0.6 s step): its bar is the step time split in proportion, so it never draws a longer step."""
+    plt.close("all")
+    df = step_df()
+    pipe = {**df.iloc[0].to_dict(), "pipeline": True, "step_s_median": 0.6, "rollout_s_median": 0.5,
+            "train_s_median": 0.3, "reload_s_median": 0.2}
+    df = pd.concat([df.assign(pipeline=False), pd.DataFrame([pipe])], ignore_index=True)
+    ax = plots.plot_step_benchmark(df).axes[0]
+    assert len(ax.patches) == 3 * 2 * 3  # artsg_nb, artsg_nb pipelined, trl x 2 jobs x 3 phases
+    texts = [t.get_text() for t in ax.texts]
+    assert "artsg_nb (cpu, pipelined)\n0.60 s" in texts and "artsg_nb (cpu)\n1.00 s" in texts and "trl\n1.10 s" in texts
+    dashed = [p for p in ax.patches if p.get_linestyle() not in ("-", "solid")]
+    assert len(dashed) == 2 * 3  # the pipelined label's segments, both jobs (256: none measured, zero height)
+    heights = sorted(round(p.get_height(), 3) for p in dashed if p.get_height() > 0)
+    assert heights == [0.12, 0.18, 0.3]  # 0.6 s split 5 : 3 : 2
+    assert round(max(p.get_y() + p.get_height() for p in dashed), 3) == 0.6
+    synced = {round(p.get_y() + p.get_height(), 3) for p in ax.patches if p not in dashed}
+    assert {0.95, 1.1, 4.66, 17.0} <= synced  # the synchronous rows still stack as measured

@@ -130,16 +130,26 @@ def load_step_results(results_dir: str | os.PathLike) -> pd.DataFrame:
 
 
 def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """Per hardware and job (max_new_tokens): artsg_nb's median step time and TRL's, and TRL /
-    artsg_nb (the speed-up; > 1 means artsg_nb is faster)."""
-    if df.empty:
+    """Per hardware (file: `source`, when the frame has it) and job (max_new_tokens), and per
+    `pipeline` setting where the frame has that column: artsg_nb's median step time, TRL's for the
+    same job, and TRL / artsg_nb (the speed-up; > 1 means artsg_nb is faster), with artsg_nb's
+    `reload_s_median` and `first_train_s` (its first update) where the frame has them. Rows of the
+    same key are averaged; empty unless both frameworks are in the frame."""
+    if df.empty or "framework" not in df:
         return pd.DataFrame()
-    index = ["max_new_tokens"] if "hardware" not in df or "source" not in df else ["source", "max_new_tokens"]
-    piv = df.pivot_table(index=index, columns="framework", values="step_s_median")
-    if not {"artsg_nb", "trl"} <= set(piv.columns):
+    by = ["max_new_tokens"] if "hardware" not in df or "source" not in df else ["source", "max_new_tokens"]
+    ours, trl = df[df["framework"] == "artsg_nb"], df[df["framework"] == "trl"]
+    if ours.empty or trl.empty:
         return pd.DataFrame()
-    return pd.DataFrame({"artsg_nb_step_s": piv["artsg_nb"], "trl_step_s": piv["trl"],
-                         "speedup_vs_trl": piv["trl"] / piv["artsg_nb"]})
+    keys = by + (["pipeline"] if "pipeline" in df else [])
+    if "pipeline" in df:  # True / "True" (a CSV column with gaps reads as text); missing: a file from before it
+        ours = ours.assign(pipeline=ours["pipeline"].map(lambda v: str(v).strip().lower() == "true"))
+    extra = [c for c in ("reload_s_median", "first_train_s") if c in df]
+    mine = ours.groupby(keys)[["step_s_median", *extra]].mean().rename(columns={"step_s_median": "artsg_nb_step_s"})
+    theirs = trl.groupby(by)["step_s_median"].mean().rename("trl_step_s")
+    out = mine.join(theirs, on=by)
+    out["speedup_vs_trl"] = out["trl_step_s"] / out["artsg_nb_step_s"]
+    return out[["artsg_nb_step_s", "trl_step_s", "speedup_vs_trl", *extra]]
 
 
 def result_sources(df: pd.DataFrame) -> pd.DataFrame:

@@ -10,15 +10,23 @@ per-device batch = groups x G, one generation batch per optimizer step), the lea
 (constant, AdamW), temperature 1.0, the loss (dapo, ε 0.2 / 0.28, scale_rewards "group"), beta 0,
 no gradient checkpointing. TRL generates with plain `model.generate` (use_vllm=False) and is
 timed per step by a TrainerCallback (on_step_begin/end); its rollout time is its `_generate`.
-artsg_nb is timed around `await GRPORun.step()` (rollout_s / train_s / reload_s from the row).
+artsg_nb is timed around `await GRPORun.step()` (rollout_s / train_s / reload_s from the row) and
+`GRPORun.start()`, at RunConfig's defaults except the job's fields (`artsg_run_config`): the
+served-adapter check included, unless `--verify-adapter False`.
 
-Each leg (framework x max_new_tokens) runs in its own process (`--leg`): Unsloth patches
-transformers on import, and a GPU is given back cleanly when a process ends. This module imports
-nothing of transformers, PEFT or TRL (the TRL leg lives in step_trl.py and is imported by its own
-process only), so the artsg_nb leg's trainer imports Unsloth first, as Unsloth requires. The first `warmup`
-steps are left out of the medians. Results: one row per leg, written to
-`benchmarks/results/<date>-step-<hardware>.csv` with exactly `COLUMNS`; the CLI prints the table
-and the artsg_nb / TRL ratios per job.
+A leg is one framework x max_new_tokens, and for artsg_nb also one RunConfig(pipeline=...) value
+(`--pipeline False True`: synchronous and pipelined; TRL has no pipeline and runs once). Legs run
+per job as artsg_nb synchronous, artsg_nb pipelined, TRL, each in its own process (`--leg`):
+Unsloth patches transformers on import, and a GPU is given back cleanly when a process ends. This
+module imports nothing of transformers, PEFT or TRL (the TRL leg lives in step_trl.py and is
+imported by its own process only), so the artsg_nb leg's trainer imports Unsloth first, as Unsloth
+requires. The first `warmup` steps are left out of the medians; the first step's and the first
+update's seconds get columns of their own. Results: one row per leg with exactly `COLUMNS`,
+written to `benchmarks/results/<date>-step-<hardware>.csv` (`--out`) after every leg. An existing
+CSV is merged into (`--no-merge`: overwritten): the rows of the legs just run replace those of
+the same framework, engine, model, max_new_tokens and pipeline, the others stay, so legs run in
+separate calls (`--frameworks artsg_nb --pipeline True` after `--pipeline False`) end up in one
+file. The CLI prints the table and the artsg_nb / TRL ratios per job and pipeline setting.
 
 What it does not do: plot (plots.plot_step_benchmark) or compare engines' raw speed (bench.run).
 """
@@ -40,6 +48,7 @@ from typing import Sequence
 import pandas as pd
 import tyro
 
+from ..files import write_atomic
 from ..rl.grpo import GRPOConfig
 from ..run.config import RunConfig
 from ..run.session import GRPORun
@@ -48,20 +57,34 @@ from .step_job import COLUMNS, FRAMEWORKS, StepBenchConfig, leg_result
 
 log = logging.getLogger(__name__)
 
+LEG_KEY = ["framework", "engine", "model", "max_new_tokens", "pipeline"]
+"""The columns that name a leg's row: a merged CSV holds one row per value of them."""
+
+
 # ---------------------------------------------------------------------------- the artsg_nb leg
-async def artsg_leg(cfg: StepBenchConfig, max_new: int) -> dict:
-    """`cfg.steps` GRPORun steps of the job; one result row."""
-    run_dir = Path(cfg.run_dir) / f"artsg_nb-{cfg.engine}-{max_new}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    rc = RunConfig(task="addition", engine=cfg.engine, model_path=cfg.model_path, run_dir=str(run_dir),
-                   group_size=cfg.group_size, groups_per_step=cfg.groups, max_new_tokens=max_new,
-                   temperature=1.0, learning_rate=cfg.learning_rate, lora_rank=cfg.lora_rank,
-                   lora_alpha=cfg.lora_alpha, seed=cfg.seed, verify_adapter=cfg.verify_adapter,
-                   grpo=GRPOConfig(loss_type="dapo", beta=0.0, max_completion_length=max_new),
-                   api_key=cfg.api_key, verbose=False)
-    if cfg.schedule:
-        rc = replace(rc, schedule=cfg.schedule)
+def artsg_run_config(cfg: StepBenchConfig, max_new: int, pipeline: bool) -> RunConfig:
+    """The job as a RunConfig: the job's fields (task, model, group shape, tokens, temperature,
+    learning rate, LoRA shape, seed, the loss), `pipeline`, and only those of `schedule`,
+    `verify_adapter` and `api_key` that `cfg` sets; RunConfig's defaults for everything else.
+    verbose=False: no progress line per step."""
+    run_dir = Path(cfg.run_dir) / f"artsg_nb-{cfg.engine}-{max_new}{'-pipe' if pipeline else ''}"
+    chosen = {"schedule": cfg.schedule, "verify_adapter": cfg.verify_adapter, "api_key": cfg.api_key}
+    return RunConfig(task="addition", engine=cfg.engine, model_path=cfg.model_path, run_dir=str(run_dir),
+                     group_size=cfg.group_size, groups_per_step=cfg.groups, max_new_tokens=max_new,
+                     temperature=1.0, learning_rate=cfg.learning_rate, lora_rank=cfg.lora_rank,
+                     lora_alpha=cfg.lora_alpha, seed=cfg.seed, pipeline=pipeline,
+                     grpo=GRPOConfig(loss_type="dapo", beta=0.0, max_completion_length=max_new),
+                     verbose=False, **{k: v for k, v in chosen.items() if v is not None})
+
+
+async def artsg_leg(cfg: StepBenchConfig, max_new: int, pipeline: bool = False) -> dict:
+    """`cfg.steps` GRPORun steps of the job; one result row (start_s: GRPORun.start(), server and
+    trainer up)."""
+    rc = artsg_run_config(cfg, max_new, pipeline)
+    shutil.rmtree(rc.run_dir, ignore_errors=True)
+    t0 = time.perf_counter()
     run = GRPORun(rc).start()
+    start_s = time.perf_counter() - t0
     step_s, rows = [], []
     try:
         for _ in range(cfg.steps):
@@ -77,15 +100,44 @@ async def artsg_leg(cfg: StepBenchConfig, max_new: int) -> dict:
                     "were equal, so no gradient. Its train/reload medians are not comparable with TRL's; try "
                     "more groups, a larger group_size or more tokens until the job has a reward signal",
                     skipped, len(rows), max_new)
+    updated = [r for r in rows if not r.get("update_skipped")]  # the first update: a skipped one trains nothing
+    first_train_s = float(updated[0]["train_s"]) if updated else float("nan")
     return leg_result(cfg, "artsg_nb", cfg.engine, max_new, step_s, col("rollout_s"), col("train_s"),
-                       col("reload_s"), col("tokens"), col("reward_mean"))
+                       col("reload_s"), col("tokens"), col("reward_mean"), pipeline=pipeline, start_s=start_s,
+                       first_train_s=first_train_s)
 
 
 # ---------------------------------------------------------------------------- orchestration
-def run_leg(cfg: StepBenchConfig, framework: str, max_new: int) -> dict:
+def legs(cfg: StepBenchConfig) -> list[tuple[str, int, bool]]:
+    """(framework, max_new_tokens, pipeline) of each leg, in running order: per job artsg_nb
+    synchronous, artsg_nb pipelined, TRL (once, pipeline False)."""
+    frameworks = sorted(set(cfg.frameworks), key=lambda fw: _leg_rank(fw, False))
+    return [(fw, m, pipe) for m in dict.fromkeys(cfg.max_new_tokens) for fw in frameworks
+            for pipe in (sorted(set(cfg.pipeline)) if fw == "artsg_nb" else [False])]
+
+
+def _leg_rank(framework: str, pipeline: bool) -> int:
+    """A leg's place within its job: artsg_nb synchronous, artsg_nb pipelined, TRL, anything else."""
+    return FRAMEWORKS.index(framework) * 2 + bool(pipeline) if framework in FRAMEWORKS else 2 * len(FRAMEWORKS)
+
+
+def leg_name(framework: str, max_new: int, pipeline: bool) -> str:
+    """A leg as `--leg` names it: "artsg_nb:256", "artsg_nb:256:pipe", "trl:256"."""
+    return f"{framework}:{max_new}{':pipe' if pipeline else ''}"
+
+
+def parse_leg_name(name: str) -> tuple[str, int, bool]:
+    """leg_name's inverse."""
+    framework, max_new, *rest = name.split(":")
+    if rest not in ([], ["pipe"]):
+        raise ValueError(f"leg {name!r}: expected FRAMEWORK:MAX_NEW or FRAMEWORK:MAX_NEW:pipe")
+    return framework, int(max_new), rest == ["pipe"]
+
+
+def run_leg(cfg: StepBenchConfig, framework: str, max_new: int, pipeline: bool = False) -> dict:
     """One leg in this process."""
     if framework == "artsg_nb":
-        return asyncio.run(artsg_leg(cfg, max_new))
+        return asyncio.run(artsg_leg(cfg, max_new, pipeline))
     if framework == "trl":
         from .step_trl import trl_leg  # here, not above: the artsg_nb leg must import Unsloth before TRL does
 
@@ -93,30 +145,83 @@ def run_leg(cfg: StepBenchConfig, framework: str, max_new: int) -> dict:
     raise ValueError(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
 
 
-def _leg_in_subprocess(cfg: StepBenchConfig, framework: str, max_new: int) -> dict:
+def _leg_in_subprocess(cfg: StepBenchConfig, framework: str, max_new: int, pipeline: bool = False) -> dict:
+    name = leg_name(framework, max_new, pipeline)
     with tempfile.TemporaryDirectory() as tmp:
         cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "row.json"
         cfg_path.write_text(json.dumps(asdict(cfg)))
-        cmd = [sys.executable, "-m", "artsg_nb.bench.step", "--leg", f"{framework}:{max_new}",
-               str(cfg_path), str(out_path)]
+        cmd = [sys.executable, "-m", "artsg_nb.bench.step", "--leg", name, str(cfg_path), str(out_path)]
         proc = subprocess.run(cmd)
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"step benchmark leg {framework} max_new_tokens={max_new} failed with exit code "
-                               f"{proc.returncode}; its output is above. Try: run it alone with "
-                               f"`{' '.join(cmd[:5])}` after fixing the cause.")
+            raise RuntimeError(f"step benchmark leg {name} failed with exit code {proc.returncode}; its output is "
+                               f"above. Try: run it alone with `{' '.join(cmd[:5])}` after fixing the cause.")
         return json.loads(out_path.read_text())
 
 
 def run_step_bench(cfg: StepBenchConfig) -> pd.DataFrame:
-    """Every framework x max_new_tokens leg, each in its own process; the frame, saved to CSV."""
+    """Every leg (`legs`), each in its own process unless cfg.isolate is False. The CSV is written
+    after each leg (one that fails or runs out of time keeps the rows before it), merged into the
+    rows already in it unless cfg.merge is False (`merge_rows`); the frame as written."""
+    todo = legs(cfg)
+    if not todo:
+        raise ValueError(f"no legs to run: frameworks={cfg.frameworks}, pipeline={cfg.pipeline}, "
+                         f"max_new_tokens={cfg.max_new_tokens}")
     leg = _leg_in_subprocess if cfg.isolate else run_leg
-    rows = [leg(cfg, fw, m) for m in cfg.max_new_tokens for fw in cfg.frameworks]
-    df = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    path = Path(cfg.out) if cfg.out else default_path(df, cfg.results_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(path, index=False)
-    log.info("wrote %s", path)
+    path, df = None, pd.DataFrame(columns=COLUMNS)
+    for framework, max_new, pipeline in todo:
+        row = pd.DataFrame([leg(cfg, framework, max_new, pipeline)]).reindex(columns=COLUMNS)
+        if path is None:  # the default file is named after the first row's hardware
+            path = Path(cfg.out) if cfg.out else default_path(row, cfg.results_dir)
+            df = earlier_rows(path) if cfg.merge else df
+        df, replaced = merge_rows(df, row)
+        for old in replaced.itertuples():
+            log.info("%s: replacing the earlier row of %s %s %s max_new_tokens=%s%s (commit %s, %s)", path,
+                     old.framework, old.engine, old.model, old.max_new_tokens, " pipelined" if old.pipeline else "",
+                     old.commit if isinstance(old.commit, str) and old.commit else "?", old.date)
+        write_atomic(path, df.to_csv(index=False))
+        log.info("wrote %s (%d rows)", path, len(df))
     return df
+
+
+def _flags(values: pd.Series) -> pd.Series:
+    """A pipeline column as bools: True/"True" are True; False, "False" and a missing value False."""
+    return values.map(lambda v: str(v).strip().lower() == "true")
+
+
+def earlier_rows(path: Path) -> pd.DataFrame:
+    """The rows already in `path` in COLUMNS (new columns empty; `pipeline` False where the file
+    predates it); none when there is no file or it is no step benchmark CSV (no `framework`)."""
+    try:
+        old = pd.read_csv(path, dtype={"commit": str})  # a hash of digits is no number
+    except (FileNotFoundError, pd.errors.EmptyDataError):
+        return pd.DataFrame(columns=COLUMNS)
+    if "framework" not in old:
+        log.warning("%s has no framework column: not a step benchmark CSV, it will be overwritten", path)
+        return pd.DataFrame(columns=COLUMNS)
+    old = old.reindex(columns=COLUMNS)
+    old["pipeline"] = _flags(old["pipeline"])
+    return old
+
+
+def _leg_keys(df: pd.DataFrame) -> list[tuple]:
+    """Each row's LEG_KEY, as comparable values (a CSV may read a model name as a number)."""
+    return [(str(r.framework), str(r.engine), str(r.model), int(r.max_new_tokens), bool(p))
+            for r, p in zip(df[LEG_KEY].itertuples(), _flags(df["pipeline"]))]
+
+
+def merge_rows(earlier: pd.DataFrame, new: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(merged, replaced): `earlier`'s rows but those of a leg in `new` (same LEG_KEY), and
+    `new`'s, in leg order per job (artsg_nb synchronous, pipelined, TRL; stable otherwise); the
+    rows of `earlier` that were dropped."""
+    new_keys = set(_leg_keys(new))
+    gone = [k in new_keys for k in _leg_keys(earlier)]
+    replaced = earlier[gone]
+    parts = [part for part in (earlier[[not g for g in gone]], new) if len(part)]
+    merged = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=COLUMNS)
+    merged["pipeline"] = _flags(merged["pipeline"])
+    rank = [_leg_rank(fw, pipe) for fw, pipe in zip(merged["framework"], merged["pipeline"])]
+    order = merged.assign(_rank=rank).sort_values(["max_new_tokens", "_rank"], kind="stable").index
+    return merged.loc[order].reset_index(drop=True).reindex(columns=COLUMNS), replaced.reset_index(drop=True)
 
 
 def default_path(df: pd.DataFrame, results_dir: str) -> Path:
@@ -135,12 +240,12 @@ def parse_args(argv: Sequence[str]) -> StepBenchConfig:
 
 
 def _leg_main(argv: Sequence[str]) -> None:
-    """A leg's child process: `--leg FRAMEWORK:MAX_NEW CONFIG_JSON OUT_JSON` (_leg_in_subprocess)."""
+    """A leg's child process: `--leg FRAMEWORK:MAX_NEW[:pipe] CONFIG_JSON OUT_JSON` (_leg_in_subprocess)."""
     leg, cfg_path, out_path = argv
     cfg = StepBenchConfig(**json.loads(Path(cfg_path).read_text()))
-    cfg = replace(cfg, frameworks=tuple(cfg.frameworks), max_new_tokens=tuple(cfg.max_new_tokens))
-    framework, max_new = leg.split(":")
-    Path(out_path).write_text(json.dumps(run_leg(cfg, framework, int(max_new))))
+    cfg = replace(cfg, frameworks=tuple(cfg.frameworks), max_new_tokens=tuple(cfg.max_new_tokens),
+                  pipeline=tuple(cfg.pipeline))
+    Path(out_path).write_text(json.dumps(run_leg(cfg, *parse_leg_name(leg))))
 
 
 def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
@@ -155,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
         print(df.to_string(index=False))
         r = step_ratios(df)
         if not r.empty:
-            print("\nartsg_nb vs TRL (speedup_vs_trl = TRL step / artsg_nb step):")
+            print("\nartsg_nb vs TRL per job and pipeline setting (speedup_vs_trl = TRL step / artsg_nb step; "
+                  "first_train_s: artsg_nb's first update):")
             print(r.to_string())
     return df
 

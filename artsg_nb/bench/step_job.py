@@ -1,16 +1,19 @@
 """The step benchmark's job, shared by its two legs: configuration, prompts, and the result row.
 
 What it does: `StepBenchConfig` (the CLI's fields), `job_prompts` (the addition task's prompts both
-frameworks train on) and `leg_result` (one CSV row with exactly `COLUMNS`, warm-up steps left out of
-the medians).
+frameworks train on), `leg_result` (one CSV row with exactly `COLUMNS`, warm-up steps left out of
+the medians, the first update's time kept beside them) and `source_commit` (the git commit the
+benchmark runs from, for the row's `commit`).
 
 What it does not do: run a leg (step.py runs artsg_nb's and orchestrates; step_trl.py runs TRL's).
 """
 from __future__ import annotations
 
 import statistics
+import subprocess
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -23,8 +26,13 @@ from .run import hardware_name
 
 COLUMNS = ["framework", "engine", "model", "max_new_tokens", "steps", "step_s_median", "rollout_s_median",
            "train_s_median", "reload_s_median", "tokens_per_step", "reward_first", "reward_last", "hardware",
-           "date"]
-"""The step benchmark's CSV columns, in order (plots.plot_step_benchmark reads them by name)."""
+           "date", "pipeline", "start_s", "first_train_s", "first_step_s", "commit"]
+"""The step benchmark's CSV columns, in order (plots.plot_step_benchmark and results.step_ratios read
+them by name; columns are only ever appended). `pipeline`: RunConfig(pipeline=...) of an artsg_nb row
+(False for TRL); `start_s`: seconds to get ready to step (artsg_nb: GRPORun.start(); TRL: the leg's
+start to its GRPOTrainer built); `first_train_s`: the first update's seconds (artsg_nb: train_s of the
+first step that updated; TRL: its first step minus its first generation), `first_step_s`: the first
+step's seconds (both taken from the warm-up steps the medians leave out); `commit`: source_commit()."""
 FRAMEWORKS = ("artsg_nb", "trl")
 
 
@@ -56,12 +64,16 @@ class StepBenchConfig:
     """LoRA alpha."""
     seed: int = 0
     """Seeds prompts, sampling and LoRA initialisation."""
+    pipeline: tuple[bool, ...] = (False, True)
+    """artsg_nb's RunConfig(pipeline=...): its legs run once per value (rollouts of step n+1 overlap
+    step n's update when True); TRL's legs run once, they have no pipeline."""
     schedule: str | None = None
     """artsg_nb's rollout schedule; None: RunConfig's default."""
-    verify_adapter: bool = False
-    """artsg_nb's served-adapter probe after each reload (a check, not part of GRPO: off)."""
+    verify_adapter: bool | None = None
+    """artsg_nb's served-adapter check after reloads; None: RunConfig's default (on, every
+    verify_every steps), the setting the results are quoted at. False leaves it out."""
     api_key: str | None = None
-    """Sent to artsg_nb's server."""
+    """Sent to artsg_nb's server; None: RunConfig's default (a random key per start)."""
     isolate: bool = True
     """Each leg in its own process (Unsloth patches transformers; GPU memory is given back).
     False runs them here, one after the other (fine on CPU: the tests do)."""
@@ -69,6 +81,10 @@ class StepBenchConfig:
     """Scratch directory for run directories and TRL output."""
     out: str | None = None
     """CSV path; None: benchmarks/results/<date>-step-<hardware>.csv."""
+    merge: bool = True
+    """When the CSV exists, keep its rows and replace only those of the legs run now (same framework,
+    engine, model, max_new_tokens and pipeline): legs can be run in separate calls into one file.
+    False overwrites it."""
     results_dir: str = "benchmarks/results"
     """Where the default CSV goes."""
     extra: tyro.conf.Suppress[dict] = field(default_factory=dict)
@@ -83,8 +99,31 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+def _first(xs) -> float:
+    return float(xs[0]) if len(xs) else float("nan")
+
+
+@cache
+def source_commit() -> str:
+    """The short git commit of the checkout this package runs from, "-dirty" appended when a
+    tracked file differs from it; "" when it is no git checkout or git is missing."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{commit}-dirty" if dirty else commit
+
+
 def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, step_s, rollout_s, train_s,
-                reload_s, tokens, rewards) -> dict:
+                reload_s, tokens, rewards, *, pipeline: bool = False, start_s: float = float("nan"),
+                first_train_s: float | None = None) -> dict:
+    """One CSV row (`COLUMNS`): medians over the steps after `cfg.warmup`, the first step's and
+    first update's seconds (`first_train_s`; None: the first step's train_s)."""
     keep = slice(cfg.warmup if len(step_s) > cfg.warmup else 0, None)
     return {"framework": framework, "engine": engine, "model": Path(cfg.model_path or default_model_dir()).name,
             "max_new_tokens": max_new, "steps": len(step_s), "step_s_median": _median(step_s[keep]),
@@ -93,4 +132,6 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
             "reward_first": rewards[0] if rewards else float("nan"),
             "reward_last": rewards[-1] if rewards else float("nan"),
             "hardware": hardware_name(engine if framework == "artsg_nb" else ("gpu" if torch.cuda.is_available() else "cpu")),
-            "date": datetime.now().strftime("%Y-%m-%d")}
+            "date": datetime.now().strftime("%Y-%m-%d"), "pipeline": bool(pipeline), "start_s": float(start_s),
+            "first_train_s": _first(train_s) if first_train_s is None else float(first_train_s),
+            "first_step_s": _first(step_s), "commit": source_commit()}

@@ -1,7 +1,9 @@
 """The TRL leg of the step benchmark (bench/step.py): `cfg.steps` steps of TRL's GRPOTrainer on the job.
 
 What it does: builds TRL's GRPOConfig for the same job as artsg_nb's RunConfig (see step.py's
-docstring), times each optimizer step and its generation, and returns one result row.
+docstring), times the trainer's construction, each optimizer step and its generation (a step
+minus its generation is its train time, the first of them the first update's), and returns one
+result row.
 
 What it does not do: run artsg_nb (step.py), or get imported by the artsg_nb leg's process: it
 imports transformers, PEFT and TRL at module level, which must come after Unsloth there.
@@ -100,7 +102,9 @@ class TorchLogProb:
 
 
 def trl_leg(cfg: StepBenchConfig, max_new: int) -> dict:
-    """`cfg.steps` GRPOTrainer steps of the job; one result row."""
+    """`cfg.steps` GRPOTrainer steps of the job; one result row (start_s: from here to the trainer
+    built, model loaded and LoRA applied)."""
+    t_start = time.perf_counter()
     if trl_utils._ChunkedLogProbFunction is None:  # no Triton (CPU): TRL's fused scoring cannot run
         trl_utils._ChunkedLogProbFunction = TorchLogProb
     envs = job_prompts(cfg, cfg.groups * max(cfg.steps, 1))
@@ -113,6 +117,7 @@ def trl_leg(cfg: StepBenchConfig, max_new: int) -> dict:
     trainer = GRPOTrainer(model=cfg.model_path or str(default_model_dir()), reward_funcs=[addition_reward_func],
                           args=trl_config(cfg, max_new, str(out)), train_dataset=data, peft_config=lora,
                           callbacks=[timer])
+    start_s = time.perf_counter() - t_start
     gen_s: list[float] = []
     generate = trainer._generate
 
@@ -130,4 +135,4 @@ def trl_leg(cfg: StepBenchConfig, max_new: int) -> dict:
     n = len(timer.step_s)
     train_s = [s - g for s, g in zip(timer.step_s, gen_s)]
     return leg_result(cfg, "trl", "transformers", max_new, timer.step_s, gen_s[:n], train_s, [0.0] * n, tokens,
-                       timer.rewards)
+                       timer.rewards, start_s=start_s)

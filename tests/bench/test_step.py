@@ -1,15 +1,22 @@
-"""bench.step: the CSV's exact columns, the ratios, TRL's config matching ours, the CPU
-stand-in for TRL's fused log-prob kernel, and (slow) both frameworks end to end on the CPU engine."""
+"""bench.step: the CSV's exact columns, the legs and their order, the artsg_nb leg at RunConfig's
+defaults, merging into an existing CSV, the ratios, TRL's config matching ours, the CPU stand-in
+for TRL's fused log-prob kernel, and (slow) every leg end to end on the CPU engine."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import math
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from artsg_nb.bench import load_results, load_step_results, step, step_ratios, step_trl
+from artsg_nb.bench import load_results, load_step_results, step, step_job, step_ratios, step_trl
 from artsg_nb.rl.grpo import GRPOConfig
+from artsg_nb.run.config import RunConfig
 
 
 def test_cli_flags_parse():
@@ -18,6 +25,122 @@ def test_cli_flags_parse():
     assert (cfg.engine, cfg.max_new_tokens, cfg.steps, cfg.groups, cfg.group_size, cfg.frameworks) == (
         "sglang", (8, 256), 5, 16, 8, ("trl",))
     assert cfg.learning_rate == 2e-4
+    assert (cfg.pipeline, cfg.verify_adapter, cfg.merge) == ((False, True), None, True)
+    cfg = step.parse_args(["--frameworks", "artsg_nb", "--pipeline", "True", "--verify-adapter", "False", "--no-merge"])
+    assert (cfg.frameworks, cfg.pipeline, cfg.verify_adapter, cfg.merge) == (("artsg_nb",), (True,), False, False)
+
+
+def test_legs_run_per_job_sync_then_pipelined_then_trl_and_name_their_pipeline():
+    cfg = step.StepBenchConfig(max_new_tokens=(8, 256), frameworks=("trl", "artsg_nb"), pipeline=(True, False))
+    assert step.legs(cfg) == [("artsg_nb", 8, False), ("artsg_nb", 8, True), ("trl", 8, False),
+                              ("artsg_nb", 256, False), ("artsg_nb", 256, True), ("trl", 256, False)]
+    assert step.legs(dataclasses.replace(cfg, frameworks=("artsg_nb",), pipeline=(True,))) == [
+        ("artsg_nb", 8, True), ("artsg_nb", 256, True)]
+    assert step.legs(dataclasses.replace(cfg, frameworks=("trl",), pipeline=(True,))) == [("trl", 8, False), ("trl", 256, False)]
+    for leg in step.legs(cfg):
+        assert step.parse_leg_name(step.leg_name(*leg)) == leg
+    assert step.leg_name("artsg_nb", 256, True) == "artsg_nb:256:pipe" and step.leg_name("trl", 8, False) == "trl:8"
+    with pytest.raises(ValueError, match="FRAMEWORK:MAX_NEW"):
+        step.parse_leg_name("artsg_nb:8:piped")
+
+
+JOB_FIELDS = {"task", "engine", "model_path", "run_dir", "group_size", "groups_per_step", "max_new_tokens", "temperature",
+              "learning_rate", "lora_rank", "lora_alpha", "seed", "pipeline", "grpo", "verbose"}
+"""The RunConfig fields the artsg_nb leg sets; every other one stays at RunConfig's default."""
+
+
+def test_the_artsg_nb_leg_runs_at_runconfig_defaults_but_the_job():
+    cfg = step.StepBenchConfig(engine="sglang", max_new_tokens=(256,))
+    default = RunConfig()
+    for pipeline in (False, True):
+        rc = step.artsg_run_config(cfg, 256, pipeline)
+        assert rc.pipeline is pipeline and rc.max_new_tokens == rc.grpo.max_completion_length == 256
+        changed = {f.name for f in dataclasses.fields(RunConfig) if getattr(rc, f.name) != getattr(default, f.name)}
+        assert changed <= JOB_FIELDS, changed - JOB_FIELDS
+        assert rc.verify_adapter is True and rc.api_key == default.api_key
+    assert step.artsg_run_config(cfg, 8, False).run_dir != step.artsg_run_config(cfg, 8, True).run_dir
+    off = step.artsg_run_config(dataclasses.replace(cfg, verify_adapter=False, schedule="prefix"), 8, False)
+    assert (off.verify_adapter, off.schedule) == (False, "prefix")
+
+
+def bench_row(framework, max_new, pipeline=False, model="M", step_s=1.0, **extra):
+    """A result row as a leg returns it (fake numbers)."""
+    row = {c: 1.0 for c in step.COLUMNS}
+    row.update(framework=framework, engine="sglang" if framework == "artsg_nb" else "transformers", model=model,
+               max_new_tokens=max_new, pipeline=pipeline, step_s_median=step_s, hardware="NVIDIA H200 x1",
+               date="2026-12-05", commit="abc1234", **extra)
+    return row
+
+
+def test_merge_replaces_the_legs_run_now_and_keeps_the_others(tmp_path):
+    """A CSV from before the new columns: its rows count as synchronous; only the rows of the legs
+    just run (framework, engine, model, max_new_tokens, pipeline) are replaced."""
+    path = tmp_path / "step.csv"
+    old_columns = step.COLUMNS[:step.COLUMNS.index("pipeline")]
+    old = pd.DataFrame([bench_row("artsg_nb", 8, step_s=9.0), bench_row("trl", 8, step_s=7.0),
+                        bench_row("artsg_nb", 256, step_s=8.0), bench_row("artsg_nb", 8, model="other", step_s=6.0)])
+    old[old_columns].to_csv(path, index=False)
+    earlier = step.earlier_rows(path)
+    assert list(earlier.columns) == step.COLUMNS and not earlier["pipeline"].any() and earlier["commit"].isna().all()
+    new = pd.DataFrame([bench_row("artsg_nb", 8, step_s=1.0), bench_row("artsg_nb", 8, pipeline=True, step_s=0.5),
+                        bench_row("trl", 256, step_s=3.0)]).reindex(columns=step.COLUMNS)
+    merged, replaced = step.merge_rows(earlier, new)
+    assert list(replaced[["framework", "model", "max_new_tokens", "step_s_median"]].itertuples(index=False, name=None)) == [
+        ("artsg_nb", "M", 8, 9.0)]
+    got = list(merged[["framework", "model", "max_new_tokens", "pipeline", "step_s_median"]].itertuples(index=False, name=None))
+    assert got == [("artsg_nb", "other", 8, False, 6.0), ("artsg_nb", "M", 8, False, 1.0), ("artsg_nb", "M", 8, True, 0.5),
+                   ("trl", "M", 8, False, 7.0), ("artsg_nb", "M", 256, False, 8.0), ("trl", "M", 256, False, 3.0)]
+    assert list(merged.columns) == step.COLUMNS
+    again, replaced = step.merge_rows(merged, new)  # the same legs once more: replaced, not added
+    assert len(again) == len(merged) and len(replaced) == len(new)
+    (tmp_path / "other.csv").write_text("engine,mode\nsglang,raw\n")  # not a step benchmark CSV: nothing to keep
+    assert step.earlier_rows(tmp_path / "other.csv").empty and step.earlier_rows(tmp_path / "missing.csv").empty
+
+
+def test_run_step_bench_merges_calls_into_one_csv_and_logs_what_it_replaced(tmp_path, monkeypatch, caplog):
+    """The GPU session's two calls: synchronous + TRL, then the pipelined legs, into one file; a
+    rerun replaces its own rows; merge=False starts the file afresh."""
+    calls = []
+
+    def fake_leg(cfg, framework, max_new, pipeline=False):
+        calls.append(step.leg_name(framework, max_new, pipeline))
+        return bench_row(framework, max_new, pipeline, step_s=len(calls))
+
+    monkeypatch.setattr(step, "run_leg", fake_leg)
+    out = tmp_path / "step.csv"
+    cfg = step.StepBenchConfig(max_new_tokens=(8, 256), pipeline=(False,), out=str(out), isolate=False)
+    step.run_step_bench(cfg)
+    assert calls == ["artsg_nb:8", "trl:8", "artsg_nb:256", "trl:256"]
+    with caplog.at_level(logging.INFO, logger=step.__name__):
+        df = step.run_step_bench(dataclasses.replace(cfg, frameworks=("artsg_nb",), pipeline=(True,)))
+    assert "replacing" not in caplog.text
+    saved = pd.read_csv(out, dtype={"commit": str})
+    assert list(saved.columns) == step.COLUMNS and saved["commit"].eq("abc1234").all()
+    assert list(zip(saved["framework"], saved["max_new_tokens"], saved["pipeline"], saved["step_s_median"])) == [
+        ("artsg_nb", 8, False, 1), ("artsg_nb", 8, True, 5), ("trl", 8, False, 2),
+        ("artsg_nb", 256, False, 3), ("artsg_nb", 256, True, 6), ("trl", 256, False, 4)]
+    assert list(df["step_s_median"]) == list(saved["step_s_median"])
+    assert step_ratios(df).loc[(256, True), "speedup_vs_trl"] == pytest.approx(4 / 6)
+    with caplog.at_level(logging.INFO, logger=step.__name__):
+        step.run_step_bench(dataclasses.replace(cfg, max_new_tokens=(8,), frameworks=("trl",)))
+    assert caplog.text.count("replacing the earlier row") == 1 and "trl transformers M max_new_tokens=8" in caplog.text
+    assert list(pd.read_csv(out)["step_s_median"]) == [1, 5, 7, 3, 6, 4]
+    step.run_step_bench(dataclasses.replace(cfg, max_new_tokens=(8,), frameworks=("trl",), merge=False))
+    assert list(pd.read_csv(out)["step_s_median"]) == [8]
+
+
+def test_commit_names_the_checkout_and_never_fails(monkeypatch):
+    step_job.source_commit.cache_clear()
+    try:
+        commit = step_job.source_commit()
+        assert isinstance(commit, str)
+        if commit:  # a git checkout (this repository's tests run in one)
+            assert re.fullmatch(r"[0-9a-f]{4,40}(-dirty)?", commit), commit
+        step_job.source_commit.cache_clear()
+        monkeypatch.setenv("PATH", "")  # no git at all
+        assert step_job.source_commit() == ""
+    finally:
+        step_job.source_commit.cache_clear()
 
 
 def test_the_artsg_nb_leg_imports_unsloth_first():
@@ -63,6 +186,23 @@ def test_torch_logprob_matches_log_softmax():
     assert hidden.grad is not None
 
 
+def test_ratios_per_job_and_pipeline_setting_against_trl():
+    rows = [bench_row("artsg_nb", 8, step_s=2.0, first_train_s=2.5, reload_s_median=0.1),
+            bench_row("artsg_nb", 8, pipeline=True, step_s=1.0, first_train_s=2.6, reload_s_median=0.2),
+            bench_row("trl", 8, step_s=3.0, first_train_s=9.0), bench_row("artsg_nb", 256, pipeline=True, step_s=5.0),
+            bench_row("trl", 256, step_s=20.0)]
+    r = step_ratios(pd.DataFrame(rows))
+    assert list(r.index) == [(8, False), (8, True), (256, True)]
+    assert list(r.columns) == ["artsg_nb_step_s", "trl_step_s", "speedup_vs_trl", "reload_s_median", "first_train_s"]
+    assert list(r["speedup_vs_trl"]) == [pytest.approx(1.5), pytest.approx(3.0), pytest.approx(4.0)]
+    assert list(r["trl_step_s"]) == [3.0, 3.0, 20.0]
+    assert (r.loc[(8, True), "first_train_s"], r.loc[(8, False), "reload_s_median"]) == (2.6, 0.1)  # artsg_nb's, not TRL's
+    text = pd.DataFrame(rows).astype({"pipeline": str})  # "True"/"False", as a CSV column with gaps reads
+    assert list(step_ratios(text).index) == list(r.index)
+    no_trl = step_ratios(pd.DataFrame([bench_row("artsg_nb", 8, pipeline=True)]))
+    assert no_trl.empty
+
+
 def test_ratios_and_default_path(tmp_path):
     df = pd.DataFrame([{"framework": "artsg_nb", "max_new_tokens": 8, "step_s_median": 1.0, "hardware": "NVIDIA H200 x1"},
                        {"framework": "trl", "max_new_tokens": 8, "step_s_median": 1.5, "hardware": "NVIDIA H200 x1"}])
@@ -76,7 +216,7 @@ def test_ratios_and_default_path(tmp_path):
 def test_committed_step_results_newest_per_hardware_and_kept_apart(tmp_path):
     """load_step_results takes each hardware's newest step CSV; load_results (the engine bench's
     tables) never mixes step CSVs in."""
-    row = {c: 1.0 for c in step.COLUMNS}
+    row = {**{c: 1.0 for c in step.COLUMNS}, "pipeline": False}
     for name, hw, t in [("20261201-step-h200.csv", "NVIDIA H200 x1", 9.0), ("20261203-step-h200.csv", "NVIDIA H200 x1", 2.0),
                         ("20261203-step-cpu.csv", "cpu 2 cores", 7.0)]:
         pd.DataFrame([{**row, "framework": fw, "hardware": hw, "max_new_tokens": 8,
@@ -84,21 +224,45 @@ def test_committed_step_results_newest_per_hardware_and_kept_apart(tmp_path):
     df = load_step_results(tmp_path)
     assert sorted(set(df["source"])) == ["20261203-step-cpu.csv", "20261203-step-h200.csv"]
     r = step_ratios(df)
-    assert list(r["speedup_vs_trl"]) == [pytest.approx(3.0)] * 2 and r.loc[("20261203-step-h200.csv", 8), "artsg_nb_step_s"] == 2.0
+    assert list(r["speedup_vs_trl"]) == [pytest.approx(3.0)] * 2 and r.loc[("20261203-step-h200.csv", 8, False), "artsg_nb_step_s"] == 2.0
     assert load_results(tmp_path).empty
 
 
-@pytest.mark.slow
-def test_cpu_step_bench_both_frameworks(tmp_path, tiny_model_dir):
-    out = tmp_path / "step.csv"
+@pytest.fixture(scope="module")
+def cpu_bench(tmp_path_factory, tiny_model_dir):
+    """Every leg once on the CPU engine (artsg_nb synchronous and pipelined, TRL), 2 steps each:
+    (its config, the returned frame, the CSV as saved)."""
+    tmp = tmp_path_factory.mktemp("step")
+    out = tmp / "step.csv"
     cfg = step.StepBenchConfig(engine="cpu", model_path=str(tiny_model_dir), max_new_tokens=(8,), steps=2,
-                               groups=2, group_size=2, run_dir=str(tmp_path / "runs"), out=str(out), isolate=False)
+                               groups=2, group_size=2, run_dir=str(tmp / "runs"), out=str(out), isolate=False)
     df = step.run_step_bench(cfg)
-    saved = pd.read_csv(out)
+    return cfg, df, pd.read_csv(out, dtype={"commit": str}, keep_default_na=False)
+
+
+@pytest.mark.slow
+def test_cpu_step_bench_every_leg(cpu_bench):
+    _, df, saved = cpu_bench
     assert list(saved.columns) == step.COLUMNS
-    assert list(saved["framework"]) == ["artsg_nb", "trl"] and (saved["steps"] == 2).all()
+    assert list(zip(saved["framework"], saved["pipeline"])) == [("artsg_nb", False), ("artsg_nb", True), ("trl", False)]
+    assert (saved["steps"] == 2).all()
     for row in saved.itertuples():
         assert row.step_s_median > 0 and row.rollout_s_median > 0 and row.train_s_median > 0
         assert row.tokens_per_step > 0 and 0 <= row.reward_first <= 1 and 0 <= row.reward_last <= 1
-    assert saved.loc[0, "reload_s_median"] > 0 and saved.loc[1, "reload_s_median"] == 0
-    assert not math.isnan(step_ratios(df).loc[8, "speedup_vs_trl"])
+        assert row.start_s > 0 and row.first_step_s > 0 and row.first_train_s > 0
+        assert row.first_train_s < row.first_step_s  # an update is part of its step
+        assert isinstance(row.commit, str) and row.commit == step_job.source_commit()
+    assert (saved.loc[:1, "reload_s_median"] > 0).all() and saved.loc[2, "reload_s_median"] == 0
+    r = step_ratios(df)
+    assert list(r.index) == [(8, False), (8, True)] and r["speedup_vs_trl"].notna().all()
+    assert not math.isnan(r.loc[(8, True), "first_train_s"])
+
+
+@pytest.mark.slow
+def test_cpu_step_bench_pipelined_leg_samples_ahead(cpu_bench):
+    """The pipelined leg really ran RunConfig(pipeline=True): its second step trained on rollouts
+    sampled during the first update (history column staleness), the synchronous one's did not."""
+    cfg = cpu_bench[0]
+    history = {p: Path(step.artsg_run_config(cfg, 8, p).run_dir) / "history.jsonl" for p in (False, True)}
+    staleness = {p: [json.loads(line).get("staleness", 0) for line in h.read_text().splitlines()] for p, h in history.items()}
+    assert staleness == {False: [0, 0], True: [0, 1]}

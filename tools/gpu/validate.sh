@@ -39,8 +39,12 @@
 #   tiny        the CI tiny model only (/tmp/models/tiny)
 #   smollm2     SmolLM2-135M-Instruct built by `python -m artsg_nb.models` from the GGUF that install.sh
 #               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)
-#   stepbench   python -m artsg_nb.bench.step: artsg_nb on SGLang vs TRL's GRPOTrainer, same job, 8 and
-#               256 new tokens (STEP_STEPS, default 6), $OUT/step.csv
+#   stepbench   python -m artsg_nb.bench.step: artsg_nb on SGLang (RunConfig defaults, synchronous) vs TRL's
+#               GRPOTrainer, same job, 8 and 256 new tokens, STEP_STEPS (default 8) steps each; merged into
+#               /tmp/step.csv (kept while the host stays warm), copied to $OUT/step.csv. STEP_LIMIT_S: its limit
+#   stepbench-pipe  the same artsg_nb legs with RunConfig(pipeline=True), merged into the same /tmp/step.csv
+#               (its rows replace only pipelined ones): run it in the device call after stepbench (<= 30 s
+#               apart, so the host stays warm) and $OUT/step.csv has sync, pipelined and TRL rows
 #   step-profile  tools/gpu/step_profile.py on SGLang, RunConfig defaults, 6 steps (PROFILE_STEPS) of 16 x 8 with 8
 #               new tokens on the shipped tiny model (PROFILE_MODEL: another model dir): every round trip per step by
 #               endpoint, server vs kernel time, the top 5 costs that are neither decoding nor training (issue 26),
@@ -97,9 +101,13 @@ for p in "$@"; do
                  grep -E '^\{|balanced|unload after' "$OUT/nshapes.log" | cut -c1-300 | sed 's/^/    /' ;;
     tiny)        phase tiny 240 python3 -m artsg_nb.models tiny $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
-    stepbench)   phase stepbench 560 python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL --max-new-tokens 8 256 \
-                   --steps ${STEP_STEPS:-6} --groups 16 --group-size 8 --run-dir /tmp/runs/step --out "$OUT/step.csv"
-                 grep -E 'artsg_nb|trl|ratio|x TRL|speed' "$OUT/stepbench.log" | tail -12 | cut -c1-220 | sed 's/^/    /' ;;
+    stepbench|stepbench-pipe)
+                 STEP_ARGS="--pipeline False"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
+                 phase "$p" "${STEP_LIMIT_S:-560}" python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL \
+                   --max-new-tokens 8 256 $STEP_ARGS --steps ${STEP_STEPS:-8} --groups 16 --group-size 8 \
+                   --run-dir /tmp/runs/step --out /tmp/step.csv
+                 [[ -f /tmp/step.csv ]] && cp /tmp/step.csv "$OUT/step.csv"
+                 grep -E 'artsg_nb|trl|ratio|x TRL|speed|replacing' "$OUT/$p.log" | tail -14 | cut -c1-220 | sed 's/^/    /' ;;
     step-profile) phase step-profile 300 bash -c "rm -rf /tmp/runs/step-profile && python3 tools/gpu/step_profile.py --engine sglang \
                    --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens 8 ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} \
                    --run-dir /tmp/runs/step-profile --out $OUT/step_profile.json"

@@ -1,9 +1,12 @@
 """The step benchmark's chart: where each framework's GRPO step time goes.
 
-`plot_step_benchmark(df)` draws the frame bench.step writes (one row per framework x job) as
-stacked bars: rollout, train and reload medians per framework, one group of bars per job
-(max_new_tokens), with the median step time written over each bar (a step also spends time
-outside the three phases: scheduling, metrics, Python). artsg_nb.view.plots re-exports it.
+`plot_step_benchmark(df)` draws the frame bench.step writes (one row per framework x job, and per
+pipeline setting for artsg_nb) as stacked bars: rollout, train and reload medians per framework,
+one group of bars per job (max_new_tokens), with the median step time written over each bar (a
+step also spends time outside the three phases: scheduling, metrics, Python). A pipelined artsg_nb
+row ("artsg_nb (sglang, pipelined)") overlaps rollout with train, so its phases add up to more than
+its step: its bar is the measured median step time, split among the phases in proportion to their
+medians, drawn with a dashed outline. artsg_nb.view.plots re-exports it.
 
 What it does not do: measure (bench.step), or read files.
 """
@@ -20,10 +23,40 @@ PHASES = (("rollout_s_median", "rollout", "#4C72B0"), ("train_s_median", "train"
 """(column, legend label, colour) of each stacked segment, bottom to top."""
 
 
-def plot_step_benchmark(df: pd.DataFrame, ax: Axes | None = None) -> Figure:
-    """Stacked rollout/train/reload bars per framework (x engine) for each job; the figure.
+def _pipelined(df: pd.DataFrame) -> np.ndarray:
+    """Each row's `pipeline` as a bool (True or "True"); all False for a frame from before the column."""
+    if "pipeline" not in df:
+        return np.zeros(len(df), dtype=bool)
+    return df["pipeline"].map(lambda v: str(v).strip().lower() == "true").to_numpy(dtype=bool)
 
-    `df` has bench.step.COLUMNS; an empty frame draws "no data".
+
+def _labels(df: pd.DataFrame) -> pd.Series:
+    """"trl", "artsg_nb (sglang)", "artsg_nb (sglang, pipelined)"."""
+    pipelined = np.where(_pipelined(df), ", pipelined", "")
+    detail = np.where(df["framework"] == "trl", "", " (" + df["engine"].astype(str) + pipelined + ")")
+    return df["framework"].astype(str) + detail
+
+
+def _segments(rows: pd.DataFrame, pipelined: bool) -> list[np.ndarray]:
+    """Each phase's bar heights for one label's rows (one per job, NaN phases as 0). Pipelined:
+    scaled so that they add up to the row's median step time (its phases overlap; stacked as
+    measured they would draw a step longer than it was); a row without a step time stays as is."""
+    heights = [pd.to_numeric(rows[column], errors="coerce").fillna(0.0).to_numpy() for column, _, _ in PHASES]
+    if not pipelined:
+        return heights
+    total = np.sum(heights, axis=0)
+    step = pd.to_numeric(rows["step_s_median"], errors="coerce").to_numpy()
+    scale = np.where(np.isfinite(step) & (total > 0), step / np.where(total > 0, total, 1.0), 1.0)
+    return [h * scale for h in heights]
+
+
+def plot_step_benchmark(df: pd.DataFrame, ax: Axes | None = None) -> Figure:
+    """Stacked rollout/train/reload bars per framework (x engine, x pipeline) for each job; the
+    figure. A pipelined row's bar is its median step time split in proportion to its phases
+    (module docstring), outlined dashed.
+
+    `df` has bench.step.COLUMNS (a frame from before `pipeline` was one draws every row synchronous);
+    an empty frame draws "no data".
     """
     if ax is None:
         fig = plt.figure(figsize=(max(6.0, 1.6 * max(len(df), 1)), 4.2))
@@ -35,18 +68,19 @@ def plot_step_benchmark(df: pd.DataFrame, ax: Axes | None = None) -> Figure:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
         return ax.figure
     df = df.copy()
-    df["label"] = df["framework"].astype(str) + np.where(df["framework"] == "trl", "", " (" + df["engine"].astype(str) + ")")
+    df["label"] = _labels(df)
+    df["pipelined"] = _pipelined(df)
     jobs = sorted(df["max_new_tokens"].unique())
     labels = list(dict.fromkeys(df["label"]))
     width = 0.8 / len(labels)
     for j, label in enumerate(labels):
+        pipelined = bool(df.loc[df["label"] == label, "pipelined"].any())
         rows = df[df["label"] == label].set_index("max_new_tokens").reindex(jobs)
         x = np.arange(len(jobs)) - 0.4 + width * (j + 0.5)
         bottom = np.zeros(len(jobs))
-        for column, name, colour in PHASES:
-            h = pd.to_numeric(rows[column], errors="coerce").fillna(0.0).to_numpy()
-            ax.bar(x, h, width * 0.9, bottom=bottom, color=colour, edgecolor="white", hatch="//" if j % 2 else "",
-                   label=name if j == 0 else None)
+        for (_, name, colour), h in zip(PHASES, _segments(rows, pipelined)):
+            ax.bar(x, h, width * 0.9, bottom=bottom, color=colour, edgecolor="black" if pipelined else "white",
+                   linestyle="--" if pipelined else "-", hatch="//" if j % 2 else "", label=name if j == 0 else None)
             bottom += h
         for xi, step in zip(x, pd.to_numeric(rows["step_s_median"], errors="coerce")):
             if np.isfinite(step):

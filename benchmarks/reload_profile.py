@@ -6,10 +6,13 @@ For each adapters directory (a disk-backed one and a RAM-backed one, e.g. /dev/s
 issue 17's "RAM-backed directory"), it computes no loss: it takes an AdamW step of a real
 Trainer on random gradients (so every version differs and the optimizer state has its real
 size), then times what GRPORun._save_and_reload does for one
-version — the adapter file (PEFT save), the trainer checkpoint beside it (optimizer, step, RNG),
-the sha256 of the adapter, the fsyncs and rename (lora.save_adapter_atomic), the server's
-load, and the first request under the new adapter — `--repeats` times, and prints the medians
-per directory. Output: a table, and with `--out` a CSV.
+version — the adapter file (PEFT save), the sha256 of the adapter, the fsyncs and rename
+(lora.save_adapter_atomic), the copy of the optimizer state handed to the background writer
+(snapshot_s), the server's load, and the first request under the new adapter — `--repeats`
+times, and prints the medians per directory. Off the critical path, beside them: how long the
+background write of the checkpoint still ran after the first request (checkpoint_left_s: 0 when
+it was hidden), and what writing it synchronously costs (checkpoint_sync_s, what every reload
+paid before 8ed7280). Output: a table, and with `--out` a CSV.
 
 What it does not do: GRPO (no rollouts, no loss), or SGLang's load-from-tensors route.
 """
@@ -28,6 +31,7 @@ import torch
 
 from artsg_nb.bench.run import hardware_name
 from artsg_nb.engines import SamplingParams
+from artsg_nb.rl.checkpoint import write_checkpoint
 from artsg_nb.rl.lora import AdapterPublisher, file_sha256, save_adapter_atomic
 from artsg_nb.serving.server import ServerConfig, start_server
 from artsg_nb.rl.trainer import Trainer, TrainerConfig
@@ -40,13 +44,12 @@ class Timed:
         self.trainer, self.t = trainer, {}
 
     def save(self, tmp: Path) -> None:
+        """What save_adapter_atomic runs before the rename in a step: the adapter only."""
         t0 = time.perf_counter()
         self.trainer.save_adapter(tmp)
         t1 = time.perf_counter()
-        self.trainer.save_checkpoint(tmp)
-        t2 = time.perf_counter()
         file_sha256(tmp / "adapter_model.safetensors")
-        self.t.update(adapter_s=t1 - t0, checkpoint_s=t2 - t1, sha256_s=time.perf_counter() - t2)
+        self.t.update(adapter_s=t1 - t0, sha256_s=time.perf_counter() - t1)
 
 
 async def profile_dir(trainer: Trainer, server, adapters: Path, repeats: int, prompt_ids: list[int]) -> list[dict]:
@@ -54,6 +57,8 @@ async def profile_dir(trainer: Trainer, server, adapters: Path, repeats: int, pr
     client = server.client()
     publisher = AdapterPublisher(client, run_dir)
     timed = Timed(trainer)
+    scratch = adapters.parent / "checkpoint-sync"
+    scratch.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
         for step in range(1, repeats + 2):
@@ -64,6 +69,8 @@ async def profile_dir(trainer: Trainer, server, adapters: Path, repeats: int, pr
             trainer.step = step
             t0 = time.perf_counter()
             version = save_adapter_atomic(timed.save, adapters, step)
+            renamed = time.perf_counter()
+            trainer.save_checkpoint(version.path, wait=False)  # as GRPORun._save_served
             save_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             await publisher.publish(version)
@@ -71,11 +78,19 @@ async def profile_dir(trainer: Trainer, server, adapters: Path, repeats: int, pr
             t2 = time.perf_counter()
             await client.generate(prompt_ids, SamplingParams(max_new_tokens=1, temperature=0.0), adapter=version.name)
             first_s = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            trainer.wait_for_checkpoint()
+            left_s = time.perf_counter() - t3
+            t4 = time.perf_counter()
+            write_checkpoint(trainer.checkpoint_snapshot(), scratch)
+            sync_s = time.perf_counter() - t4
             if step > 1:  # the first load warms the server's adapter path
-                rows.append({"dir": str(adapters), **timed.t, "save_total_s": save_s,
-                             "fsync_rename_s": save_s - sum(timed.t.values()), "load_s": load_s,
-                             "first_request_s": first_s, "reload_s": save_s + load_s + first_s})
+                rows.append({"dir": str(adapters), **timed.t, "fsync_rename_s": renamed - t0 - sum(timed.t.values()),
+                             "snapshot_s": save_s - (renamed - t0), "save_total_s": save_s, "load_s": load_s,
+                             "first_request_s": first_s, "reload_s": save_s + load_s + first_s,
+                             "checkpoint_left_s": left_s, "checkpoint_sync_s": sync_s})
     finally:
+        trainer.wait_for_checkpoint()
         await client.aclose()
     return rows
 

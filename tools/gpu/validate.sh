@@ -49,6 +49,10 @@
 #               new tokens on the shipped tiny model (PROFILE_MODEL: another model dir): every round trip per step by
 #               endpoint, server vs kernel time, the top 5 costs that are neither decoding nor training (issue 26),
 #               $OUT/step_profile.json
+#   adopt       tools/gpu/adopt_time.py on SGLang, RunConfig defaults: a kernel starts a run and takes one step, is
+#               SIGKILLed, and a new kernel re-runs the cells with resume=True, adopting the live server; start_s of
+#               both, the trainer's build (warm-up in it) and the first step (issue 26 item 4: reused in <= 10 s).
+#               ADOPT_MODEL: another model dir (SmolLM2: $SMOL). $OUT/adopt.json, one PASS/FAIL adopt line
 #   byo         notebooks/04 (dataset task, TRL-style rewards, eval before/after) on SmolLM2, via papermill
 #   quickstart-smol  notebooks/01 on SmolLM2 (learning rate follows the model), via papermill
 #   art-smol    notebooks/05 (an ART rollout function trained through artsg_nb.art.SGLangBackend) on
@@ -112,6 +116,9 @@ for p in "$@"; do
                    --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens 8 ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} \
                    --run-dir /tmp/runs/step-profile --out $OUT/step_profile.json"
                  sed -n '/^summary over steps/,$p' "$OUT/step-profile.log" | head -40 | cut -c1-200 | sed 's/^/    /' ;;
+    adopt)       phase adopt 560 python3 tools/gpu/adopt_time.py --engine sglang ${ADOPT_MODEL:+--model-path $ADOPT_MODEL} \
+                   --run-dir /tmp/runs/adopt --timeout-s 270 --out "$OUT/adopt.json"
+                 grep -E '^(cold|adopted|PASS|FAIL) ' "$OUT/adopt.log" | cut -c1-200 | sed 's/^/    /' ;;
     byo)         phase byo 400 python3 -m papermill notebooks/04_bring_your_own_task.ipynb "$OUT/04_byo.ipynb" \
                    -p RUN_DIR /tmp/runs/byo -p MODEL $SMOL --cwd notebooks --log-output
                  grep -E 'eval reward|train reward|pass@1' "$OUT/byo.log" | tail -4 | cut -c1-220 | sed 's/^/    /' ;;

@@ -44,6 +44,20 @@ def test_stop_refreshes_the_dashboard_after_the_server(tmp_path, capsys):
     assert dashboard.snapshot.alive is False and dashboard.snapshot.note == "run stopped"
 
 
+def test_the_runs_stop_says_run_stopped_even_when_the_refresh_thread_saw_the_server_stop_first(tmp_path, capsys):
+    """The race a live dashboard has (seen in a browser test): its thread refreshes between the
+    server's stop and the run's, sees the server gone and ends itself; the run's reason wins."""
+    from artsg_nb.view.widgets.dashboard import SERVER_STOPPED
+
+    run = fake_run(tmp_path)
+    dashboard = run.dashboard(refresh_s=None)
+    run.server.stop()
+    dashboard.stop(reason=SERVER_STOPPED)  # what the refresh thread does when it sees that
+    assert dashboard.snapshot.note == SERVER_STOPPED
+    run.stop()
+    assert dashboard.snapshot.note == "run stopped"
+
+
 def test_a_failed_live_loop_ends_its_bar_red(tmp_path, monkeypatch):
     finished = []
     monkeypatch.setattr(plots.LiveTraining, "finish", lambda self, ok: finished.append(ok))

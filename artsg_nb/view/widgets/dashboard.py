@@ -35,6 +35,8 @@ from .render import SERIES_POINTS, TREND_POINTS, Snapshot, gpu_rows, in_jupyter,
 logger = logging.getLogger(__name__)
 
 STOP_JOIN_TIMEOUT_S = 5.0
+SERVER_STOPPED = "server stopped; dashboard refresh ended"
+"""The note of a dashboard whose refresh thread saw its server stop (and ended itself)."""
 
 
 # ---------------------------------------------------------------- the widget and its thread
@@ -125,7 +127,9 @@ class Dashboard:
             if thread.is_alive():
                 logger.warning("dashboard thread still busy after %.0f s; left as daemon",
                                STOP_JOIN_TIMEOUT_S)
-        if not self._note:
+        if not self._note or (self._note == SERVER_STOPPED and reason != SERVER_STOPPED):
+            # the owner's reason ("run stopped") says more than the thread's own, which may have
+            # seen the server stop first
             self._note = reason
             self._safe_refresh()
 
@@ -202,7 +206,7 @@ def _refresh_loop(ref: weakref.ref, stop_event: threading.Event, refresh_s: floa
             return
         dashboard._safe_refresh()
         if dashboard._server_stopped():  # that refresh showed it stopped: the final one
-            dashboard.stop(reason="server stopped; dashboard refresh ended")
+            dashboard.stop(reason=SERVER_STOPPED)
             return
         del dashboard  # no strong reference while waiting
         if stop_event.wait(refresh_s):

@@ -133,11 +133,14 @@ def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """Per hardware (file: `source`, when the frame has it) and job (max_new_tokens), and per
     `pipeline` setting where the frame has that column: artsg_nb's median step time, TRL's for the
     same job, and TRL / artsg_nb (the speed-up; > 1 means artsg_nb is faster), with artsg_nb's
-    `reload_s_median` and `first_train_s` (its first update) where the frame has them. Rows of the
-    same key are averaged; empty unless both frameworks are in the frame."""
+    `reload_s_median` and `first_train_s` (its first update) where the frame has them, and per
+    `job` shape where it has that. Rows of the same key are averaged; empty unless both frameworks
+    are in the frame."""
     if df.empty or "framework" not in df:
         return pd.DataFrame()
     by = ["max_new_tokens"] if "hardware" not in df or "source" not in df else ["source", "max_new_tokens"]
+    if "job" in df:  # rows of different job shapes are never compared; a file from before: ""
+        df, by = df.assign(job=df["job"].fillna("").astype(str)), by + ["job"]
     ours, trl = df[df["framework"] == "artsg_nb"], df[df["framework"] == "trl"]
     if ours.empty or trl.empty:
         return pd.DataFrame()
@@ -149,7 +152,10 @@ def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
     theirs = trl.groupby(by)["step_s_median"].mean().rename("trl_step_s")
     out = mine.join(theirs, on=by)
     out["speedup_vs_trl"] = out["trl_step_s"] / out["artsg_nb_step_s"]
-    return out[["artsg_nb_step_s", "trl_step_s", "speedup_vs_trl", *extra]]
+    out = out[["artsg_nb_step_s", "trl_step_s", "speedup_vs_trl", *extra]]
+    if "job" in by and out.index.get_level_values("job").nunique() == 1:  # one job: no need to name it
+        out = out.droplevel("job")
+    return out
 
 
 def result_sources(df: pd.DataFrame) -> pd.DataFrame:

@@ -57,7 +57,7 @@ from .step_job import COLUMNS, FRAMEWORKS, StepBenchConfig, leg_result
 
 log = logging.getLogger(__name__)
 
-LEG_KEY = ["framework", "engine", "model", "max_new_tokens", "pipeline"]
+LEG_KEY = ["framework", "engine", "model", "max_new_tokens", "pipeline", "job"]
 """The columns that name a leg's row: a merged CSV holds one row per value of them."""
 
 
@@ -205,8 +205,8 @@ def earlier_rows(path: Path) -> pd.DataFrame:
 
 def _leg_keys(df: pd.DataFrame) -> list[tuple]:
     """Each row's LEG_KEY, as comparable values (a CSV may read a model name as a number)."""
-    return [(str(r.framework), str(r.engine), str(r.model), int(r.max_new_tokens), bool(p))
-            for r, p in zip(df[LEG_KEY].itertuples(), _flags(df["pipeline"]))]
+    return [(str(r.framework), str(r.engine), str(r.model), int(r.max_new_tokens), bool(p),
+             "" if pd.isna(r.job) else str(r.job)) for r, p in zip(df[LEG_KEY].itertuples(), _flags(df["pipeline"]))]
 
 
 def merge_rows(earlier: pd.DataFrame, new: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -214,7 +214,8 @@ def merge_rows(earlier: pd.DataFrame, new: pd.DataFrame) -> tuple[pd.DataFrame, 
     `new`'s, in leg order per job (artsg_nb synchronous, pipelined, TRL; stable otherwise); the
     rows of `earlier` that were dropped."""
     new_keys = set(_leg_keys(new))
-    gone = [k in new_keys for k in _leg_keys(earlier)]
+    unknown_job = {k[:-1] for k in new_keys}  # a row from before the job column: the same leg if all else is
+    gone = [k in new_keys or (k[-1] == "" and k[:-1] in unknown_job) for k in _leg_keys(earlier)]
     replaced = earlier[gone]
     parts = [part for part in (earlier[[not g for g in gone]], new) if len(part)]
     merged = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=COLUMNS)

@@ -26,13 +26,16 @@ from .run import hardware_name
 
 COLUMNS = ["framework", "engine", "model", "max_new_tokens", "steps", "step_s_median", "rollout_s_median",
            "train_s_median", "reload_s_median", "tokens_per_step", "reward_first", "reward_last", "hardware",
-           "date", "pipeline", "start_s", "first_train_s", "first_step_s", "commit"]
+           "date", "pipeline", "start_s", "first_train_s", "first_step_s", "commit", "job"]
 """The step benchmark's CSV columns, in order (plots.plot_step_benchmark and results.step_ratios read
 them by name; columns are only ever appended). `pipeline`: RunConfig(pipeline=...) of an artsg_nb row
 (False for TRL); `start_s`: seconds to get ready to step (artsg_nb: GRPORun.start(); TRL: the leg's
 start to its GRPOTrainer built); `first_train_s`: the first update's seconds (artsg_nb: train_s of the
 first step that updated; TRL: its first step minus its first generation), `first_step_s`: the first
-step's seconds (both taken from the warm-up steps the medians leave out); `commit`: source_commit()."""
+step's seconds (both taken from the warm-up steps the medians leave out; a pipelined leg's first
+update already overlaps the second step's rollouts: the synchronous leg's is the first update alone);
+`commit`: source_commit(); `job`: the job's shape (`job_label`), so rows of different jobs are never
+merged or compared."""
 FRAMEWORKS = ("artsg_nb", "trl")
 
 
@@ -134,4 +137,10 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
             "hardware": hardware_name(engine if framework == "artsg_nb" else ("gpu" if torch.cuda.is_available() else "cpu")),
             "date": datetime.now().strftime("%Y-%m-%d"), "pipeline": bool(pipeline), "start_s": float(start_s),
             "first_train_s": _first(train_s) if first_train_s is None else float(first_train_s),
-            "first_step_s": _first(step_s), "commit": source_commit()}
+            "first_step_s": _first(step_s), "commit": source_commit(), "job": job_label(cfg)}
+
+
+def job_label(cfg: StepBenchConfig) -> str:
+    """The job's shape besides its max_new_tokens: "16x8 r16/32 lr0.0002 seed0" (groups x group size,
+    LoRA r/alpha, learning rate, seed)."""
+    return f"{cfg.groups}x{cfg.group_size} r{cfg.lora_rank}/{cfg.lora_alpha} lr{cfg.learning_rate:g} seed{cfg.seed}"

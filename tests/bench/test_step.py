@@ -266,3 +266,18 @@ def test_cpu_step_bench_pipelined_leg_samples_ahead(cpu_bench):
     history = {p: Path(step.artsg_run_config(cfg, 8, p).run_dir) / "history.jsonl" for p in (False, True)}
     staleness = {p: [json.loads(line).get("staleness", 0) for line in h.read_text().splitlines()] for p, h in history.items()}
     assert staleness == {False: [0, 0], True: [0, 1]}
+
+
+def test_rows_of_another_job_shape_are_neither_replaced_nor_compared():
+    """A rerun with other groups / group size is a different job: its rows sit beside the earlier
+    ones, and each artsg_nb row is compared with the TRL row of its own job."""
+    big, small = "16x8 r16/32 lr0.0002 seed0", "4x4 r16/32 lr0.0002 seed0"
+    earlier = pd.DataFrame([bench_row("artsg_nb", 8, step_s=1.0, job=big),
+                            bench_row("trl", 8, step_s=2.0, job=big)]).reindex(columns=step.COLUMNS)
+    new = pd.DataFrame([bench_row("artsg_nb", 8, step_s=0.1, job=small)]).reindex(columns=step.COLUMNS)
+    merged, replaced = step.merge_rows(earlier, new)
+    assert replaced.empty and sorted(merged["job"]) == sorted([small, big, big])
+    merged = pd.concat([merged, pd.DataFrame([bench_row("trl", 8, step_s=0.4, job=small)])], ignore_index=True)
+    ratios = step_ratios(merged)
+    assert ratios.loc[(8, big, False), "speedup_vs_trl"] == pytest.approx(2.0)
+    assert ratios.loc[(8, small, False), "speedup_vs_trl"] == pytest.approx(4.0)

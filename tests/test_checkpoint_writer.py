@@ -18,6 +18,7 @@ import torch
 
 from artsg_nb.rl import checkpoint as checkpoint_module
 from artsg_nb.rl.trainer import WARM_UP_SHAPES, Trainer, TrainerConfig
+from artsg_nb.rl.lora import latest_checkpoint
 from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
@@ -111,7 +112,7 @@ def test_the_background_checkpoint_is_the_state_it_was_taken_at(make_trainer, tm
     a.save_adapter(tmp_path)
     at_step_1 = _optimizer_tensors(a)
     a.save_checkpoint(tmp_path, wait=False)
-    assert held_writes.started.wait(10) and not (tmp_path / "trainer_state.json").exists()
+    assert held_writes.started.wait(10) and not (tmp_path / "trainer" / "trainer_state.json").exists()
     a.train_step(_groups())  # moves the optimizer state while the write waits
     held_writes.release.set()
     a.wait_for_checkpoint()
@@ -128,6 +129,7 @@ def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still
     tr.train_step(_groups())
     tr.save_adapter(tmp_path)
     weights, optimizer = _lora(tr), _optimizer_tensors(tr)
+    real_save = checkpoint_module.save_file
 
     def disk_full(tensors, filename, metadata=None):
         with open(filename, "wb") as f:
@@ -139,22 +141,69 @@ def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still
         tr.save_checkpoint(tmp_path, wait=False)
         tr.wait_for_checkpoint()
     assert "could not be written" in caplog.text and "No space left" in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    tr.train_step(_groups())  # the next update, whose adapter then cannot be saved: roll back
-    tr.load_checkpoint(tmp_path)
-    assert tr.step == 1
-    assert all(torch.equal(weights[n], p) for n, p in _lora(tr).items())
-    assert all(torch.equal(optimizer[k], v) for k, v in _optimizer_tensors(tr).items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "trainer"]
+    assert not list((tmp_path / "trainer").iterdir()) and not checkpoint_module.is_complete(tmp_path)
+    for _ in range(2):  # the next update, whose adapter then cannot be saved: roll back (twice: a redo fails too)
+        tr.train_step(_groups())
+        tr.load_checkpoint(tmp_path)
+        assert tr.step == 1
+        assert all(torch.equal(weights[n], p) for n, p in _lora(tr).items())
+        assert all(torch.equal(optimizer[k], v) for k, v in _optimizer_tensors(tr).items())
+    monkeypatch.setattr(checkpoint_module, "save_file", real_save)
+    tr.checkpoints.persist(tmp_path)  # space again: written now, for readers of the disk
+    assert checkpoint_module.is_complete(tmp_path) and tr.checkpoints.unwritten(tmp_path) is None
+
+
+def test_a_bug_in_the_background_write_is_raised_not_logged(make_trainer, tmp_path, monkeypatch):
+    tr = make_trainer(warm_up=False)
+    tr.save_adapter(tmp_path)
+    monkeypatch.setattr(checkpoint_module, "save_file", lambda *a, **k: 1 / 0)
+    tr.save_checkpoint(tmp_path, wait=False)
+    with pytest.raises(ZeroDivisionError):
+        tr.wait_for_checkpoint()
+
+
+def test_a_version_folder_shows_the_server_only_the_adapter_and_old_runs_still_load(make_trainer, tmp_path):
+    """SGLang reads every *.safetensors file at the top of an adapter folder as weights (its
+    DefaultModelLoader globs them): the optimizer state lives in trainer/, and a half-written one
+    can never reach a load. A run saved before (checkpoint beside the adapter) still resumes."""
+    tr = make_trainer(warm_up=False)
+    tr.train_step(_groups())
+    tr.save_adapter(tmp_path / "new")
+    tr.save_checkpoint(tmp_path / "new")
+    assert [f.name for f in (tmp_path / "new").glob("*.safetensors")] == ["adapter_model.safetensors"]
+    assert checkpoint_module.is_complete(tmp_path / "new")
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    for f in (tmp_path / "new").glob("*.*"):
+        (legacy / f.name).write_bytes(f.read_bytes())
+    for f in (tmp_path / "new" / "trainer").iterdir():
+        (legacy / f.name).write_bytes(f.read_bytes())
+    assert checkpoint_module.checkpoint_dir(legacy) == legacy and checkpoint_module.is_complete(legacy)
+    other = make_trainer(warm_up=False)
+    other.load_checkpoint(legacy)
+    assert other.step == 1
+    mine, theirs = _optimizer_tensors(tr), _optimizer_tensors(other)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def test_a_step_returns_while_its_checkpoint_is_written_and_it_lands_after(tiny_model_dir, tmp_path, held_writes):
     cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
-                    group_size=4, groups_per_step=2, verify_adapter=False, verbose=False)
+                    group_size=4, groups_per_step=2, verify_adapter=False, verbose=False, keep_adapters=1)
     with GRPORun(cfg) as run:  # policy-step-0 is written at start, synchronously
         row = asyncio.run(run.step())
         version = run.run_dir / "adapters" / f"policy-step-{row['step']}"
         assert not row.get("update_skipped") and run.adapter == version.name
-        assert held_writes.started.wait(10) and not (version / "trainer_state.json").exists()
+        assert held_writes.started.wait(10) and not checkpoint_module.is_complete(version)
+        # keep_adapters=1 pruned what it could, but not the newest complete checkpoint: a kernel
+        # killed now resumes from it
+        assert latest_checkpoint(run.run_dir / "adapters", row["step"]).step == 0
         held_writes.release.set()
         run.trainer.wait_for_checkpoint()
-        assert (version / "trainer_state.json").exists() and (version / "optimizer.safetensors").exists()
+        assert checkpoint_module.is_complete(version)
+        assert (version / "trainer" / "optimizer.safetensors").exists()
+        asyncio.run(run.step())  # step 1's write is done now: step 0 is no longer needed and goes
+        kept = {p.name for p in (run.run_dir / "adapters").glob("policy-step-*")}
+        assert "policy-step-0" not in kept and "policy-step-2" in kept and kept <= {"policy-step-1", "policy-step-2"}
+        run.trainer.wait_for_checkpoint()
+        assert latest_checkpoint(run.run_dir / "adapters", 2).step == 2

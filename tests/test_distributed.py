@@ -136,3 +136,39 @@ def test_a_dead_trainer_rank_fails_the_step_with_its_log_and_a_resume_continues(
         assert row["step"] == 2 and row["trainer_ranks"] == 2
         assert list(run.history.df["step"]) == [1, 2]
     assert "command 1: load" in (tmp_path / "run" / "trainer-rank1.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_rollback_to_a_checkpoint_only_in_memory_reaches_every_rank(tiny_model_dir, tmp_path, monkeypatch):
+    """Rank 0 keeps the snapshot of a checkpoint whose background write failed; the other ranks
+    read checkpoints from disk, so a rollback writes it first, or fails before any rank moves."""
+    import errno
+
+    from artsg_nb.rl import checkpoint as checkpoint_module
+    from artsg_nb.rl.checkpoint import CheckpointError, is_complete
+    from artsg_nb.rl.distributed import RankedTrainer
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    cfg = TrainerConfig(model_path=str(tiny_model_dir), learning_rate=1e-2, seed=0, device="cpu", use_unsloth=False,
+                        warm_up=False)
+    trainer, groups, version = RankedTrainer(cfg, 2, tmp_path / "ranks"), _groups(), tmp_path / "policy-step-1"
+    try:
+        trainer.train_step(groups)
+        trainer.save_adapter(version)
+        real_save = checkpoint_module.save_file
+        monkeypatch.setattr(checkpoint_module, "save_file", disk_full)
+        trainer.save_checkpoint(version, wait=False)
+        trainer.wait_for_checkpoint()
+        assert not is_complete(version)
+        trainer.train_step(groups)  # step 2, whose adapter then cannot be saved: back to step 1
+        with pytest.raises(CheckpointError, match="only in memory.*free disk space"):
+            trainer.load_checkpoint(version)  # the disk still full: no rank has moved
+        assert trainer.step == 2 and trainer.train_step(groups)["ranks"] == 2
+        monkeypatch.setattr(checkpoint_module, "save_file", real_save)
+        trainer.load_checkpoint(version)  # written now, then read by every rank
+        assert is_complete(version) and trainer.step == 1
+        assert trainer.train_step(groups)["ranks"] == 2  # rank 1 is alive and in step
+    finally:
+        trainer.close()

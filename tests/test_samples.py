@@ -65,7 +65,7 @@ def test_step_without_signal_skips_the_update_and_keeps_the_served_adapter(run, 
     after = run.trainer.model.state_dict()
     assert all(torch.equal(weights[k], after[k]) for k in weights)
     # The step is checkpointed (resume restores it) and recorded.
-    assert (run.run_dir / "adapters" / f"policy-step-{row['step']}" / "trainer_state.json").exists()
+    assert (run.run_dir / "adapters" / f"policy-step-{row['step']}" / "trainer" / "trainer_state.json").exists()
     assert History.load(run.run_dir).last["update_skipped"] is True
     assert "no update (no signal)" in History.format_row(row)
     # The next step with a signal (scripted, member i earns i % 2) trains again and publishes a new version.

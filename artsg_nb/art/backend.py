@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .. import engines
+from ..rl.lora import checkpoint_steps
 from ..run.retention import version_steps
 from ..run.config import CONFIG_FILE, RunConfig
 from ..run.session import GRPORun
@@ -211,10 +212,12 @@ class SGLangBackend:
 
     async def _delete_checkpoint_files(self, model, steps_to_keep: list[int]) -> None:
         """Delete adapter versions outside `steps_to_keep` (model.delete_checkpoints: latest and
-        best); the served one and the trainer's newest are kept whatever the list says."""
+        best); the served one, the trainer's newest and the newest complete checkpoint (what a
+        resume restores) are kept whatever the list says."""
         run = self.run(model)
         adapters = run.run_dir / "adapters"
-        keep = set(steps_to_keep) | {run.trainer.step, run.publisher.current.step}
+        run.trainer.wait_for_checkpoint()  # the newest checkpoint on disk (or failed) before any goes
+        keep = set(steps_to_keep) | {run.trainer.step, run.publisher.current.step, *checkpoint_steps(adapters)[-1:]}
         for step in version_steps(adapters):
             if step not in keep:
                 shutil.rmtree(adapters / f"policy-step-{step}", ignore_errors=True)

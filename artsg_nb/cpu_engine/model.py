@@ -103,6 +103,7 @@ def check_adapter_dir(path: str, max_rank: int, allowed_modules: tuple[str, ...]
     if config.get("modules_to_save") or config.get("trainable_token_indices") or (root / "added_tokens.json").exists():
         raise AdapterError(f"{path} trains extra modules or added tokens (modules_to_save / "
                            "trainable_token_indices / added_tokens.json); only plain LoRA weights are supported")
+    _check_every_weights_file(root, weights)
     rank, modules = _lora_shapes(weights)
     if not modules:
         raise AdapterError(f"{path}/{WEIGHTS_FILE} holds no lora_A/lora_B weights")
@@ -114,6 +115,22 @@ def check_adapter_dir(path: str, max_rank: int, allowed_modules: tuple[str, ...]
         raise AdapterError(f"{path} targets modules {extra} that are not in --lora-target-modules "
                            f"{list(allowed_modules)}; restart the server with them (or 'all')")
     return AdapterInfo(path=str(path), rank=rank, target_modules=tuple(sorted(modules)))
+
+
+def _check_every_weights_file(root: Path, weights: Path) -> None:
+    """SGLang reads every *.safetensors file at the top of an adapter folder as weights
+    (DefaultModelLoader's glob), so one that cannot be read there (half written, garbage) fails its
+    load; the CPU engine refuses such a folder too, where SGLang's error would come."""
+    for other in sorted(root.glob("*.safetensors")):
+        if other == weights:
+            continue
+        try:
+            with safe_open(str(other), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 — SafetensorError: a truncated or garbage file
+            raise AdapterError(f"{other} is not a readable safetensors file ({type(e).__name__}: {e}); SGLang "
+                               "reads every *.safetensors file of an adapter folder as weights: keep only the "
+                               "adapter's there") from e
 
 
 def _lora_shapes(weights: Path) -> tuple[int, set[str]]:

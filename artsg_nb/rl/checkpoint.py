@@ -3,15 +3,22 @@ safetensors (tensors) plus JSON (param groups, scalars, step, RNG, config), the 
 foreign checkpoint raises, naming the file and what to do, and the writer that puts a checkpoint on
 disk off the step's critical path.
 
-A checkpoint is complete when its `trainer_state.json` exists: `write_checkpoint` writes the
-optimizer file first and the state file last, by rename, so a write cut short (killed kernel,
-full disk) leaves a version that resume skips (lora.latest_checkpoint).
+A version folder `policy-step-N/` holds the adapter the server loads and, in its `trainer/` folder,
+the checkpoint: SGLang reads every `*.safetensors` file at the top of an adapter folder as weights
+(DefaultModelLoader's glob), so the optimizer state beside the adapter was read, twice the adapter's
+bytes, on every reload. Runs saved before 2026-12-05 have the checkpoint beside the adapter; they are
+still read (`checkpoint_dir`). A checkpoint is complete when its `trainer_state.json` exists:
+`write_checkpoint` writes the optimizer file first (fsynced) and the state file last, by rename, so
+a write cut short (killed kernel, full disk) leaves a version that resume skips
+(lora.latest_checkpoint).
 
 `CheckpointWriter` (issue 26, reload <= 0.1 s): the server needs only the adapter, so the step
 saves the adapter, hands a `CheckpointSnapshot` (the optimizer state copied into CPU memory, a few
 milliseconds) to one background thread, and goes on to reload; the optimizer state, twice the
 adapter's size, is written while the next step's rollouts run. One write at a time, in order; a
-failed write is logged and its snapshot kept in memory, so a rollback to that version still works.
+failed write (a full disk: OSError, safetensors' error) is logged and its snapshot kept in memory, so
+a rollback to that version still works; any other exception is a bug and is raised where the writer
+is waited for.
 
 What it does not do: decide what is saved when (trainer.py, lora.py, run/session.py).
 """
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
@@ -32,15 +40,31 @@ log = logging.getLogger(__name__)
 ADAPTER_FILE = "adapter_model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "trainer_state.json"
+TRAINER_DIR = "trainer"
+"""A version's checkpoint folder (module docstring: why not beside the adapter)."""
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or from a different configuration."""
 
 
-def read_checkpoint_file(file: Path, read):
+def checkpoint_dir(version: str | Path) -> Path:
+    """Where the checkpoint of the version folder `version` is: its `trainer/` folder, or the
+    version folder itself for a run saved before the checkpoint moved there."""
+    version = Path(version)
+    legacy = not (version / TRAINER_DIR).is_dir() and (version / STATE_FILE).exists()
+    return version if legacy else version / TRAINER_DIR
+
+
+def is_complete(version: str | Path) -> bool:
+    """Whether the version folder holds a complete checkpoint (its state file is written last)."""
+    return (checkpoint_dir(version) / STATE_FILE).exists()
+
+
+def read_checkpoint_file(file: Path, read, version: Path):
     """`read(file)`, a corrupt file (truncated, garbage: safetensors' "header too large",
-    UnicodeDecodeError, bad JSON) turned into a CheckpointError naming it and what to do."""
+    UnicodeDecodeError, bad JSON) turned into a CheckpointError naming it and what to do with its
+    version folder `version`."""
     try:
         return read(file)
     except OSError:
@@ -48,7 +72,7 @@ def read_checkpoint_file(file: Path, read):
     except Exception as e:  # noqa: BLE001 — safetensors raises its own SafetensorError
         raise CheckpointError(
             f"checkpoint file {file} is corrupt and cannot be read ({type(e).__name__}: {e}). Nothing was "
-            f"restored. Try: move {file.parent} out of the run directory and resume again (resume=True "
+            f"restored. Try: move {version} out of the run directory and resume again (resume=True "
             "continues from the newest complete checkpoint before it), or start a new run directory.") from e
 
 
@@ -87,14 +111,26 @@ class CheckpointSnapshot:
     """trainer_state.json: step, optimizer meta, Python RNG state, trainer config (JSON-ready)."""
 
 
-def write_checkpoint(snapshot: CheckpointSnapshot, path: str | Path) -> None:
-    """`snapshot` into `path` (next to its adapter): the optimizer file, then the state file by
-    rename, so the state file exists only beside a complete optimizer file."""
-    path = Path(path)
-    save_file(snapshot.tensors, str(path / OPTIMIZER_FILE))
-    tmp = path / f".{STATE_FILE}.tmp"
+def write_checkpoint(snapshot: CheckpointSnapshot, version: str | Path) -> None:
+    """`snapshot` into the `trainer/` folder of the version folder `version`: the optimizer file,
+    fsynced, then the state file by rename, so the state file exists only beside a complete
+    optimizer file."""
+    folder = Path(version) / TRAINER_DIR
+    folder.mkdir(exist_ok=True)
+    save_file(snapshot.tensors, str(folder / OPTIMIZER_FILE))
+    _fsync(folder / OPTIMIZER_FILE)
+    tmp = folder / f".{STATE_FILE}.tmp"
     tmp.write_text(json.dumps(snapshot.state))
-    os.replace(tmp, path / STATE_FILE)
+    _fsync(tmp)
+    os.replace(tmp, folder / STATE_FILE)
+
+
+def _fsync(file: Path) -> None:
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class CheckpointWriter:
@@ -103,48 +139,70 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
-        self._newest: tuple[Path, CheckpointSnapshot] | None = None
+        self._newest: tuple[Path, CheckpointSnapshot] | None = None  # kept until written
         self.failed: Path | None = None
-        """The version directory whose checkpoint could not be written (its snapshot is kept)."""
+        """The version folder whose checkpoint could not be written (its snapshot is kept)."""
 
-    def submit(self, snapshot: CheckpointSnapshot, path: str | Path) -> None:
-        """Write `snapshot` into `path` in the background, after the write before it."""
+    def submit(self, snapshot: CheckpointSnapshot, version: str | Path) -> None:
+        """Write `snapshot` into `version` in the background, after the write before it."""
         self.wait()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-checkpoint")
-        self._newest = (Path(path), snapshot)
-        self._pending = self._pool.submit(write_checkpoint, snapshot, path)
+        self._newest, self.failed = (Path(version), snapshot), None
+        self._pending = self._pool.submit(write_checkpoint, snapshot, version)
 
     def wait(self) -> None:
-        """Block until the newest checkpoint is on disk. A failed write is logged, not raised: the
-        run goes on (its adapter is saved and served) and a resume starts from the checkpoint
-        before it; the partial files are removed and the snapshot stays (`unwritten`)."""
+        """Block until the newest checkpoint is on disk. A write that failed for want of disk is
+        logged, not raised: the run goes on (its adapter is saved and served) and a resume starts
+        from the checkpoint before it; its partial files are removed and its snapshot stays
+        (`unwritten`). Any other exception is raised here."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        path = self._newest[0]
         try:
             pending.result()
-            self.failed = None
-        except Exception as e:  # noqa: BLE001 — disk full, permissions, safetensors' own errors
-            self.failed = path
-            for name in (OPTIMIZER_FILE, f".{STATE_FILE}.tmp", STATE_FILE):
-                (path / name).unlink(missing_ok=True)
-            log.warning("the checkpoint of %s could not be written (%s: %s); the run goes on with its adapter "
-                        "served, a resume would start from the checkpoint before it. Try: free disk space "
-                        "under %s", path.name, type(e).__name__, e, path.parent)
+        except (OSError, SafetensorError) as e:
+            self._keep_unwritten(e)
+        else:
+            self._newest = None  # on disk: the copy in memory is not needed
 
-    def unwritten(self, path: str | Path) -> CheckpointSnapshot | None:
-        """The snapshot of `path` when its write failed (a rollback to that version restores it
+    def _keep_unwritten(self, error: Exception) -> None:
+        version = self.failed = self._newest[0]
+        folder = version / TRAINER_DIR
+        for name in (OPTIMIZER_FILE, f".{STATE_FILE}.tmp", STATE_FILE):
+            (folder / name).unlink(missing_ok=True)
+        log.warning("the checkpoint of %s could not be written (%s: %s); the run goes on with its adapter "
+                    "served, a resume would start from the checkpoint before it. Try: free disk space "
+                    "under %s", version.name, type(error).__name__, error, version.parent)
+
+    def unwritten(self, version: str | Path) -> CheckpointSnapshot | None:
+        """The snapshot of `version` when its write failed (a rollback to that version restores it
         from memory), else None."""
         self.wait()
-        if self.failed is not None and self._newest is not None and self.failed == Path(path):
+        if self.failed is not None and self._newest is not None and self.failed == Path(version):
             return self._newest[1]
         return None
 
+    def persist(self, version: str | Path) -> None:
+        """Write the unwritten checkpoint of `version` now, synchronously (raising if it fails
+        again): for readers that only read disk, e.g. the other ranks of a RankedTrainer."""
+        snapshot = self.unwritten(version)
+        if snapshot is None:
+            return
+        try:
+            write_checkpoint(snapshot, version)
+        except (OSError, SafetensorError) as e:
+            raise CheckpointError(
+                f"the checkpoint of {Path(version).name} is only in memory and cannot be written ({e}); the other "
+                f"trainer ranks read it from disk. Try: free disk space under {Path(version).parent} and run the "
+                "step again, or resume=True from the newest complete checkpoint") from e
+        self.failed = self._newest = None
+
     def close(self) -> None:
         """Wait for the newest write, then stop the thread."""
-        self.wait()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None

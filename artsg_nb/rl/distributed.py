@@ -264,6 +264,9 @@ class RankedTrainer:
             raise self._failure(f"the distributed step failed ({e})") from e
 
     def load_checkpoint(self, path: str | Path) -> None:
+        # The other ranks read the checkpoint from disk: one whose background write failed is
+        # written now (an error if the disk is still full, before any rank changed its state).
+        self.local.checkpoints.persist(path)
         self.local.load_checkpoint(path)  # refused here first if corrupt: the ranks keep their state
         self._send({"op": "load", "path": str(path)})
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from .checkpoint import ADAPTER_FILE, CheckpointError
+from .checkpoint import ADAPTER_FILE, CheckpointError, is_complete
 from ..engines import UnknownAdapterError
 
 log = logging.getLogger(__name__)
@@ -133,13 +133,18 @@ def load_version(adapters_dir: str | Path, step: int) -> AdapterVersion:
     return AdapterVersion(path.name, path, step, stored)
 
 
+def checkpoint_steps(adapters_dir: str | Path) -> list[int]:
+    """Steps whose version folder holds a complete trainer checkpoint, ascending."""
+    return sorted(int(p.name.rsplit("-", 1)[1]) for p in Path(adapters_dir).glob("policy-step-*")
+                  if p.name.rsplit("-", 1)[1].isdigit() and is_complete(p))
+
+
 def latest_checkpoint(adapters_dir: str | Path, last_step: int) -> AdapterVersion:
     """The newest adapter with a trainer checkpoint at or before `last_step` (the newest step
     with a history row: a checkpoint saved after it is redone, as it would have been without a
     loss), its checksum checked."""
     adapters = Path(adapters_dir)
-    steps = [s for s in (int(p.name.rsplit("-", 1)[1]) for p in adapters.glob("policy-step-*")
-                         if (p / "trainer_state.json").exists()) if s <= last_step]
+    steps = [s for s in checkpoint_steps(adapters) if s <= last_step]
     if not steps:
         raise CheckpointError(f"resume=True but {adapters} holds no complete checkpoint; "
                               "start without resume or point run_dir at the run to continue")

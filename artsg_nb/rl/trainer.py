@@ -13,6 +13,7 @@ is `grpo.py`). One optimizer step per batch of rollouts (TRL's `num_iterations=1
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -30,16 +31,17 @@ from safetensors.torch import load_file, save_file
 # (trainer._load_unsloth). Importing artsg_nb.run.session therefore imports none of them.
 from ..rollout.trajectory import is_trainable
 from .checkpoint import (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE, CheckpointError, CheckpointSnapshot,
-                         CheckpointWriter, optimizer_from_tensors, optimizer_to_tensors, read_checkpoint_file,
-                         write_checkpoint)
+                         CheckpointWriter, checkpoint_dir, optimizer_from_tensors, optimizer_to_tensors,
+                         read_checkpoint_file, write_checkpoint)
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
 from .step_stats import StepStats, batch_counts, is_ratio_stats
 
 log = logging.getLogger(__name__)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WARM_UP_SHAPES = ((2, 48), (3, 80))
-"""The (rows, length) micro-batches of Trainer.warm_up: small, and different in both sizes."""
+WARM_UP_SHAPES = ((1, 32), (2, 48))
+"""The (rows, length) micro-batches of Trainer.warm_up: different in both sizes, and small: it runs
+while the server starts, on a shared GPU beside it (96 tokens of fp32 logits: 58 MB at a 150k vocab)."""
 
 
 @dataclass
@@ -135,6 +137,9 @@ class Trainer:
                                                    mb.completion_mask.sum())
                 loss.backward()
             self.score_tokens(_made_up_batch(1, shapes[0][1], vocab).input_ids[0].tolist())
+        except torch.cuda.OutOfMemoryError as e:  # a server starting on the same GPU took it: not needed
+            log.warning("trainer warm-up skipped: out of GPU memory (%s); the first update pays its one-off "
+                        "costs instead", str(e).splitlines()[0])
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             _set_rng_states(rng)
@@ -310,7 +315,8 @@ class Trainer:
             config.inference_mode = inference_mode
 
     def save_checkpoint(self, path: str | Path, wait: bool = True) -> None:
-        """Optimizer state, step and RNG next to an adapter already saved in `path`. wait=False:
+        """Optimizer state, step and RNG into the `trainer/` folder of the version folder `path`
+        (the adapter's; rl/checkpoint.py says why a folder of its own). wait=False:
         copied now (milliseconds), written by a background thread while the caller goes on
         (checkpoint.CheckpointWriter); `wait_for_checkpoint`, `load_checkpoint` and `close` wait
         for it."""
@@ -340,19 +346,20 @@ class Trainer:
 
         path = Path(path)
         snapshot = self.checkpoints.unwritten(path)  # waits for a write still under way
-        needed = (ADAPTER_FILE,) if snapshot else (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE)
-        missing = [n for n in needed if not (path / n).exists()]
+        folder = checkpoint_dir(path)
+        needed = [path / ADAPTER_FILE] + ([] if snapshot else [folder / OPTIMIZER_FILE, folder / STATE_FILE])
+        missing = [str(f.relative_to(path)) for f in needed if not f.exists()]
         if missing:
             raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); "
                                   "resume from an earlier step or start a new run directory")
         # Every file is read (and refused if corrupt) before anything is applied: a trainer
         # half-restored from a corrupt checkpoint would silently train on from mixed states.
-        weights = read_checkpoint_file(path / ADAPTER_FILE, lambda f: load_file(str(f)))
+        weights = read_checkpoint_file(path / ADAPTER_FILE, lambda f: load_file(str(f)), path)
         if snapshot is None:
-            state = read_checkpoint_file(path / STATE_FILE, lambda f: json.loads(f.read_text()))
-            tensors = read_checkpoint_file(path / OPTIMIZER_FILE, lambda f: load_file(str(f)))
-        else:
-            state, tensors = snapshot.state, snapshot.tensors
+            state = read_checkpoint_file(folder / STATE_FILE, lambda f: json.loads(f.read_text()), path)
+            tensors = read_checkpoint_file(folder / OPTIMIZER_FILE, lambda f: load_file(str(f)), path)
+        else:  # copies: the optimizer must not share tensors with a snapshot a later rollback reads
+            state, tensors = copy.deepcopy(snapshot.state), {k: v.clone() for k, v in snapshot.tensors.items()}
         saved = state.get("trainer_config", {})
         for key in ("lora_rank", "lora_alpha", "target_modules"):
             if key in saved and _jsonable(getattr(self.cfg, key)) != saved[key]:

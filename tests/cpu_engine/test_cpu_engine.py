@@ -154,6 +154,9 @@ def engine(cpu_engine_model_dir, adapters, tmp_path_factory):
         adapters["rank16"] = write_lora(root / "rank16", model_dir, rank=16)
         adapters["mlp"] = write_lora(root / "mlp", model_dir, targets=("q_proj", "up_proj"))
         adapters["dora"] = write_lora(root / "dora", model_dir, extra_config={"use_dora": True})
+        # a second *.safetensors half written beside the adapter: SGLang reads it too, and fails
+        adapters["beside"] = make_peft_adapter(model_dir, root / "beside", seed=5)
+        (adapters["beside"] / "optimizer.safetensors").write_bytes(b"\0" * 64)
         proc.wait_ready()
         with httpx.Client(base_url=proc.url, timeout=60) as http:
             for name in ("a", "b"):
@@ -451,6 +454,7 @@ def test_load_and_unload_match_sglang_shape(http, adapters):
     ("mlp", "['up_proj']"),
     ("bin", "safetensors only"),
     ("dora", "DoRA"),
+    ("beside", "optimizer.safetensors is not a readable safetensors file"),
 ])
 def test_refused_adapters_get_400(http, adapters, name, message):
     path = str(adapters.get(name, "/nonexistent/adapter"))

@@ -171,10 +171,10 @@ def test_hung_server_is_killed_and_the_step_redone(run, monkeypatch, fault_engin
 def test_corrupt_checkpoint_names_the_file(run, tmp_path, file, garbage):
     copy = tmp_path / "policy-step-2"
     shutil.copytree(run.run_dir / "adapters" / "policy-step-2", copy)
-    (copy / file).write_bytes(garbage)
+    (copy / "trainer" / file).write_bytes(garbage)
     step_before = run.trainer.step
     with pytest.raises(CheckpointError) as err:
         run.trainer.load_checkpoint(copy)
     msg = str(err.value)
-    assert str(copy / file) in msg and "corrupt" in msg and "resume" in msg and f"move {copy}" in msg
+    assert str(copy / "trainer" / file) in msg and "corrupt" in msg and "resume" in msg and f"move {copy}" in msg
     assert run.trainer.step == step_before

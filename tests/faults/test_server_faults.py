@@ -249,7 +249,7 @@ def test_restarts_exhausted_raise_server_lost(run, monkeypatch, faults):
     assert f"Last 20 lines of {run.server.log_path}" in msg and run.server.log_tail(20) in msg
     assert not run.server.alive() and run.server.pid == kill.killed_pid  # no further restart
     assert faults.history_steps(run.run_dir) == [1, 2, 3, 4, 5]
-    assert (run.run_dir / "adapters" / "policy-step-6" / "trainer_state.json").exists()  # saved, no row
+    assert (run.run_dir / "adapters" / "policy-step-6" / "trainer" / "trainer_state.json").exists()  # saved, no row
     run.stop()
 
 

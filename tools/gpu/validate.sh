@@ -53,6 +53,9 @@
 #               SIGKILLed, and a new kernel re-runs the cells with resume=True, adopting the live server; start_s of
 #               both, the trainer's build (warm-up in it) and the first step (issue 26 item 4: reused in <= 10 s).
 #               ADOPT_MODEL: another model dir (SmolLM2: $SMOL). $OUT/adopt.json, one PASS/FAIL adopt line
+#   art-ids     tools/gpu/art_ids.py on SGLang: an art.TrainableModel registered with SGLangBackend, 16 chat
+#               completions through model.openai_client(); PASS when every choice carried the server's token ids
+#               and every trajectory used exactly them (issue 27; needs the art, art-polars, web and kernel sets)
 #   byo         notebooks/04 (dataset task, TRL-style rewards, eval before/after) on SmolLM2, via papermill
 #   quickstart-smol  notebooks/01 on SmolLM2 (learning rate follows the model), via papermill
 #   art-smol    notebooks/05 (an ART rollout function trained through artsg_nb.art.SGLangBackend) on
@@ -119,6 +122,8 @@ for p in "$@"; do
     adopt)       phase adopt 560 python3 tools/gpu/adopt_time.py --engine sglang ${ADOPT_MODEL:+--model-path $ADOPT_MODEL} \
                    --run-dir /tmp/runs/adopt --timeout-s 270 --out "$OUT/adopt.json"
                  grep -E '^(cold|adopted|PASS|FAIL) ' "$OUT/adopt.log" | cut -c1-200 | sed 's/^/    /' ;;
+    art-ids)     phase art-ids 300 python3 tools/gpu/art_ids.py --engine sglang --model-path "$PWD/artsg_nb/models/shipped/tiny-s0-p800"
+                 grep -E '^(sglang|PASS|FAIL) ' "$OUT/art-ids.log" | cut -c1-200 | sed 's/^/    /' ;;
     byo)         phase byo 400 python3 -m papermill notebooks/04_bring_your_own_task.ipynb "$OUT/04_byo.ipynb" \
                    -p RUN_DIR /tmp/runs/byo -p MODEL $SMOL --cwd notebooks --log-output
                  grep -E 'eval reward|train reward|pass@1' "$OUT/byo.log" | tail -4 | cut -c1-220 | sed 's/^/    /' ;;

@@ -1,19 +1,15 @@
 """tools/gpu/adopt_time.py on the CPU engine: the tool the H200 runs for issue 26 item 4 works end to
 end here (two real kernel subprocesses; the second adopts the first's server after it is SIGKILLed)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "adopt_time.py"
+from gpu_tools import load_gpu_tool
 
 
 @pytest.mark.slow
 def test_a_killed_kernels_server_is_adopted_and_both_starts_are_timed(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("adopt_time", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_gpu_tool("adopt_time")
     out = tmp_path / "adopt.json"
     assert tool.main(["--engine", "cpu", "--run-dir", str(tmp_path / "run"), "--timeout-s", "180",
                       "--out", str(out)]) == 0

@@ -5,7 +5,6 @@ its wall time — never for particular timings."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,16 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from gpu_tools import load_gpu_tool
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "gpu" / "step_profile.py"
 GROUPS, SIZE = 3, 4
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("step_profile", SCRIPT)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
+    return load_gpu_tool("step_profile")
 
 
 def test_union_and_exclusive_parts_by_hand():

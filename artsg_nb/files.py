@@ -1,7 +1,8 @@
 """Files as the rest of the package writes and reads them: a file replaced whole (a reader sees
-the old text or the new, never half of one) and the last lines of a process's log.
+the old text or the new, never half of one), a file or directory flushed to disk, and the last
+lines of a process's log.
 
-What it does not do: directories. An adapter version (rl/lora.py) and a model build
+What it does not do: move directories. An adapter version (rl/lora.py) and a model build
 (models/build.py) are directories moved into place whole, each by its own owner.
 """
 from __future__ import annotations
@@ -34,6 +35,19 @@ def write_atomic(path: Path, text: str, private: bool = False, durable: bool = F
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (so a rename in it survives a crash of the machine); a path
+    that cannot be opened for it (a filesystem that refuses directories) is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def log_tail(path: Path, n: int = 20, since: int = 0, keep: Callable[[str], bool] | None = None) -> str:

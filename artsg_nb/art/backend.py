@@ -55,8 +55,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .. import engines
-from ..rl.lora import checkpoint_steps
-from ..run.retention import version_steps
+from ..rl.lora import checkpoint_steps, version_steps
 from ..run.config import CONFIG_FILE, RunConfig
 from ..run.session import GRPORun
 from .convert import AmbiguousTokens, to_groups

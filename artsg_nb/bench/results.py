@@ -129,6 +129,12 @@ def load_step_results(results_dir: str | os.PathLike) -> pd.DataFrame:
     return df[df["source"].isin(newest)].reset_index(drop=True)
 
 
+def pipeline_flags(values: pd.Series) -> pd.Series:
+    """A step CSV's `pipeline` column as bools: True and "True" (a column with gaps reads as text)
+    are True; False, "False" and a missing value (a row from before the column) False."""
+    return values.map(lambda v: str(v).strip().lower() == "true")
+
+
 def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """Per hardware (file: `source`, when the frame has it) and job (max_new_tokens), and per
     `pipeline` setting where the frame has that column: artsg_nb's median step time, TRL's for the
@@ -145,8 +151,8 @@ def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
     if ours.empty or trl.empty:
         return pd.DataFrame()
     keys = by + (["pipeline"] if "pipeline" in df else [])
-    if "pipeline" in df:  # True / "True" (a CSV column with gaps reads as text); missing: a file from before it
-        ours = ours.assign(pipeline=ours["pipeline"].map(lambda v: str(v).strip().lower() == "true"))
+    if "pipeline" in df:
+        ours = ours.assign(pipeline=pipeline_flags(ours["pipeline"]))
     extra = [c for c in ("reload_s_median", "first_train_s") if c in df]
     mine = ours.groupby(keys)[["step_s_median", *extra]].mean().rename(columns={"step_s_median": "artsg_nb_step_s"})
     theirs = trl.groupby(by)["step_s_median"].mean().rename("trl_step_s")

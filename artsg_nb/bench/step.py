@@ -52,7 +52,7 @@ from ..files import write_atomic
 from ..rl.grpo import GRPOConfig
 from ..run.config import RunConfig
 from ..run.session import GRPORun
-from .results import step_ratios
+from .results import pipeline_flags, step_ratios
 from .step_job import COLUMNS, FRAMEWORKS, StepBenchConfig, leg_result
 
 log = logging.getLogger(__name__)
@@ -183,11 +183,6 @@ def run_step_bench(cfg: StepBenchConfig) -> pd.DataFrame:
     return df
 
 
-def _flags(values: pd.Series) -> pd.Series:
-    """A pipeline column as bools: True/"True" are True; False, "False" and a missing value False."""
-    return values.map(lambda v: str(v).strip().lower() == "true")
-
-
 def earlier_rows(path: Path) -> pd.DataFrame:
     """The rows already in `path` in COLUMNS (new columns empty; `pipeline` False where the file
     predates it); none when there is no file or it is no step benchmark CSV (no `framework`)."""
@@ -199,14 +194,15 @@ def earlier_rows(path: Path) -> pd.DataFrame:
         log.warning("%s has no framework column: not a step benchmark CSV, it will be overwritten", path)
         return pd.DataFrame(columns=COLUMNS)
     old = old.reindex(columns=COLUMNS)
-    old["pipeline"] = _flags(old["pipeline"])
+    old["pipeline"] = pipeline_flags(old["pipeline"])
     return old
 
 
 def _leg_keys(df: pd.DataFrame) -> list[tuple]:
     """Each row's LEG_KEY, as comparable values (a CSV may read a model name as a number)."""
+    flags = pipeline_flags(df["pipeline"])
     return [(str(r.framework), str(r.engine), str(r.model), int(r.max_new_tokens), bool(p),
-             "" if pd.isna(r.job) else str(r.job)) for r, p in zip(df[LEG_KEY].itertuples(), _flags(df["pipeline"]))]
+             "" if pd.isna(r.job) else str(r.job)) for r, p in zip(df[LEG_KEY].itertuples(), flags)]
 
 
 def merge_rows(earlier: pd.DataFrame, new: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -219,7 +215,7 @@ def merge_rows(earlier: pd.DataFrame, new: pd.DataFrame) -> tuple[pd.DataFrame, 
     replaced = earlier[gone]
     parts = [part for part in (earlier[[not g for g in gone]], new) if len(part)]
     merged = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=COLUMNS)
-    merged["pipeline"] = _flags(merged["pipeline"])
+    merged["pipeline"] = pipeline_flags(merged["pipeline"])
     rank = [_leg_rank(fw, pipe) for fw, pipe in zip(merged["framework"], merged["pipeline"])]
     order = merged.assign(_rank=rank).sort_values(["max_new_tokens", "_rank"], kind="stable").index
     return merged.loc[order].reset_index(drop=True).reindex(columns=COLUMNS), replaced.reset_index(drop=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
+
+from ..files import fsync_path, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -118,19 +119,8 @@ def write_checkpoint(snapshot: CheckpointSnapshot, version: str | Path) -> None:
     folder = Path(version) / TRAINER_DIR
     folder.mkdir(exist_ok=True)
     save_file(snapshot.tensors, str(folder / OPTIMIZER_FILE))
-    _fsync(folder / OPTIMIZER_FILE)
-    tmp = folder / f".{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(snapshot.state))
-    _fsync(tmp)
-    os.replace(tmp, folder / STATE_FILE)
-
-
-def _fsync(file: Path) -> None:
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(folder / OPTIMIZER_FILE)
+    write_atomic(folder / STATE_FILE, json.dumps(snapshot.state), durable=True)
 
 
 class CheckpointWriter:
@@ -169,7 +159,7 @@ class CheckpointWriter:
     def _keep_unwritten(self, error: Exception) -> None:
         version = self.failed = self._newest[0]
         folder = version / TRAINER_DIR
-        for name in (OPTIMIZER_FILE, f".{STATE_FILE}.tmp", STATE_FILE):
+        for name in (OPTIMIZER_FILE, STATE_FILE):  # write_atomic removes its own temporary file
             (folder / name).unlink(missing_ok=True)
         log.warning("the checkpoint of %s could not be written (%s: %s); the run goes on with its adapter "
                     "served, a resume would start from the checkpoint before it. Try: free disk space "

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
+from ..files import fsync_path
 from .checkpoint import ADAPTER_FILE, CheckpointError, is_complete
 from ..engines import UnknownAdapterError
 
@@ -80,11 +81,11 @@ def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> Adapter
             raise AdapterSaveError(f"the trainer wrote no {ADAPTER_FILE} into {tmp}")
         digest = file_sha256(tmp / ADAPTER_FILE)
         (tmp / "sha256.txt").write_text(digest + "\n")
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists():  # a re-run of a step after a crash: replace the stale copy
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(adapters_dir)
+        fsync_path(adapters_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written version behind
         # safetensors reports a failed write (disk full) as SafetensorError, not OSError.
@@ -133,10 +134,20 @@ def load_version(adapters_dir: str | Path, step: int) -> AdapterVersion:
     return AdapterVersion(path.name, path, step, stored)
 
 
+def version_steps(adapters_dir: str | Path) -> list[int]:
+    """Steps with a `policy-step-N` folder, ascending."""
+    folder = Path(adapters_dir)
+    steps = []
+    for p in folder.glob("policy-step-*") if folder.exists() else []:
+        tail = p.name.rsplit("-", 1)[1]
+        if p.is_dir() and tail.isdigit():
+            steps.append(int(tail))
+    return sorted(steps)
+
+
 def checkpoint_steps(adapters_dir: str | Path) -> list[int]:
     """Steps whose version folder holds a complete trainer checkpoint, ascending."""
-    return sorted(int(p.name.rsplit("-", 1)[1]) for p in Path(adapters_dir).glob("policy-step-*")
-                  if p.name.rsplit("-", 1)[1].isdigit() and is_complete(p))
+    return [s for s in version_steps(adapters_dir) if is_complete(Path(adapters_dir) / adapter_name(s))]
 
 
 def latest_checkpoint(adapters_dir: str | Path, last_step: int) -> AdapterVersion:
@@ -242,17 +253,6 @@ async def probe_served_adapter(client, version: AdapterVersion, probe_ids: list[
             "adapter (SGLang: lora_path or model 'base:adapter') and that the server's LoRA target modules "
             "match the trainer's.")
     return result
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class MaskedScorer:

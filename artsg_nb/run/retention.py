@@ -2,8 +2,8 @@
 
 What it does: `prune_adapters(adapters_dir, keep_last, keep_every, protect)` deletes
 `policy-step-N` folders except the newest `keep_last`, every step divisible by `keep_every`, and
-the steps in `protect` (the session passes the served version and the newest checkpoint that has
-its history row, which is what resume restores: session._restore_latest). `keep_last=0` keeps
+the steps in `protect` (the session passes the served version and this step's), and the newest
+complete checkpoint, which is what resume restores (session._restore_latest). `keep_last=0` keeps
 everything (the default: nothing is ever deleted unless asked).
 
 What it does not do: decide what is served or resumed (session.py), or delete anything that is
@@ -16,18 +16,9 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
+from ..rl.lora import checkpoint_steps, version_steps
+
 log = logging.getLogger(__name__)
-
-
-def version_steps(adapters_dir: str | Path) -> list[int]:
-    """Steps with a `policy-step-N` folder, ascending."""
-    folder = Path(adapters_dir)
-    steps = []
-    for p in folder.glob("policy-step-*") if folder.exists() else []:
-        tail = p.name.rsplit("-", 1)[1]
-        if p.is_dir() and tail.isdigit():
-            steps.append(int(tail))
-    return sorted(steps)
 
 
 def steps_to_delete(steps: Iterable[int], keep_last: int, keep_every: int, protect: Iterable[int]) -> list[int]:
@@ -42,8 +33,13 @@ def steps_to_delete(steps: Iterable[int], keep_last: int, keep_every: int, prote
 
 
 def prune_adapters(adapters_dir: str | Path, keep_last: int, keep_every: int, protect: Iterable[int]) -> list[int]:
-    """Delete the versions outside the retention policy; returns the deleted steps."""
-    doomed = steps_to_delete(version_steps(adapters_dir), keep_last, keep_every, protect)
+    """Delete the versions outside the retention policy; returns the deleted steps. The newest
+    complete checkpoint is kept too: while the newest version's checkpoint is still being written
+    in the background (rl/checkpoint.py), it is what a resume restores."""
+    if keep_last <= 0:
+        return []
+    newest_complete = checkpoint_steps(adapters_dir)[-1:]
+    doomed = steps_to_delete(version_steps(adapters_dir), keep_last, keep_every, [*protect, *newest_complete])
     for step in doomed:
         shutil.rmtree(Path(adapters_dir) / f"policy-step-{step}", ignore_errors=True)
     if doomed:

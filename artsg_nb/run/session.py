@@ -34,9 +34,8 @@ from ..rollout.evaluate import evaluate, history_fields
 from ..rl.export import export_adapter, export_merged
 from ..serving.gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History, step_row
-from ..rl.lora import (AdapterPublisher, AdapterSaveError, AdapterVersion, MaskedScorer, checkpoint_steps,
-                       latest_checkpoint, probe_served_adapter, probe_trajectory, remove_stale_tmp,
-                       save_adapter_atomic)
+from ..rl.lora import (AdapterPublisher, AdapterSaveError, AdapterVersion, MaskedScorer, latest_checkpoint,
+                       probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic)
 from ..serving.metrics import HitRateTracker, cache_counters, hit_rate
 from ..models.pretrained import base_model_id, built_model_dir
 from .pipeline import SampleAhead
@@ -292,19 +291,9 @@ class GRPORun:
         row.update(self.server.worker_stats())  # a fleet's per-worker hit rate and load of this step's rollouts
         self._write_row(row)
         self.trackers.log(row)
-        self._prune(version)
+        prune_adapters(self.run_dir / "adapters", self.cfg.keep_adapters, self.cfg.keep_every,
+                       protect=(self.publisher.current.step, version.step))
         return row
-
-    def _prune(self, version: AdapterVersion) -> None:
-        """Delete versions outside RunConfig.keep_adapters / keep_every; kept whatever the policy:
-        the served one, this step's, and the newest complete checkpoint, which is what a resume
-        restores while this step's checkpoint is still being written (rl/checkpoint.py)."""
-        if self.cfg.keep_adapters <= 0:
-            return
-        adapters = self.run_dir / "adapters"
-        complete = checkpoint_steps(adapters)
-        prune_adapters(adapters, self.cfg.keep_adapters, self.cfg.keep_every,
-                       protect=(self.publisher.current.step, version.step, *complete[-1:]))
 
     def _write_row(self, row: dict) -> None:
         """Append the row; if that fails the step stays complete (adapter saved and served) and

@@ -366,3 +366,18 @@ def test_plot_step_benchmark_names_a_pipelined_row_and_draws_its_measured_step()
     assert round(max(p.get_y() + p.get_height() for p in dashed), 3) == 0.6
     synced = {round(p.get_y() + p.get_height(), 3) for p in ax.patches if p not in dashed}
     assert {0.95, 1.1, 4.66, 17.0} <= synced  # the synchronous rows still stack as measured
+
+
+def test_plot_step_benchmark_draws_each_job_of_a_file_apart():
+    """A file with rows of two job shapes (an older job beside today's) draws a bar group per job,
+    named under its tick; before, the second job's rows collided with the first's."""
+    plt.close("all")
+    old, new = step_df().assign(job="16x8 r16/32 lr0.0002 seed0"), step_df().assign(job="addition_chat 16x8 r16/32")
+    new["step_s_median"] = new["step_s_median"] / 2
+    ax = plots.plot_step_benchmark(pd.concat([old, new], ignore_index=True)).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "8 new tokens\n16x8 r16/32 lr0.0002 seed0", "8 new tokens\naddition_chat 16x8 r16/32",
+        "256 new tokens\n16x8 r16/32 lr0.0002 seed0", "256 new tokens\naddition_chat 16x8 r16/32"]
+    assert len(ax.patches) == 2 * 4 * 3
+    texts = [t.get_text() for t in ax.texts]
+    assert "artsg_nb (cpu)\n0.50 s" in texts and "artsg_nb (cpu)\n1.00 s" in texts

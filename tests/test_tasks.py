@@ -122,7 +122,7 @@ def test_unknown_task_lists_known_names():
 
 def test_registry():
     names = [t.name for t in list_tasks()]
-    assert names == ["addition", "price_lookup", "guess_number"]
+    assert names == ["addition", "addition_chat", "price_lookup", "guess_number"]
     assert get_task("addition").max_turns == 1 and get_task("price_lookup").max_turns == 3
     assert get_task("guess_number").max_turns == 4
     assert all(t.max_new_tokens > 0 and t.description for t in list_tasks())
@@ -134,7 +134,7 @@ def test_pretraining_corpus_is_deterministic_and_clean_teachers_are_right():
     corpus = tasks.pretraining_corpus(40, seed=0, mix=["price_lookup"], noise=0.0)
     assert all([m["role"] for m in conv][2:] == ["assistant", "tool", "assistant"] for conv in corpus)
     rng = random.Random(0)
-    for task in list_tasks():
+    for task in [t for t in list_tasks() if t.teacher is not None]:
         env = task.make_env(7)
         teacher = task.teacher
         best = 1.0 if task.name != "guess_number" else 0.7  # binary search may need all 4 guesses
@@ -150,3 +150,18 @@ def test_shared_system_prompts_outweigh_the_questions(tiny_tokenizer):
         assert len(tiny_tokenizer.encode(question["content"])) < 16
     (addition,) = get_task("addition").make_env(0).reset()
     assert len(tiny_tokenizer.encode(addition["content"])) < 12
+
+
+def test_addition_chat_reads_the_replys_last_number():
+    env = get_task("addition_chat").make_env(3)
+    a, b, total = env.a, env.b, env.answer
+    assert env.step(f"{a} + {b} = {total}.").reward == 1.0
+    assert env.step(f"The sum of {a} and {b} is {total}").reward == 1.0
+    assert env.step(f"{total} is wrong, it is {total + 1}").reward == pytest.approx(0.4)  # the last one counts
+    assert env.step(f"{a} + {b} =").reward == tasks.addition_reward(str(b), total)  # cut off: the operand counts
+    assert env.step("I do not know.").reward == 0.0
+    assert env.step("٣").reward == 0.0  # ASCII digits only
+    assert tasks.addition_chat_reward(None, 5) == 0.0
+    # the prompts are addition's: a benchmark on either task asks the same questions
+    assert get_task("addition_chat").make_env(11).reset() == get_task("addition").make_env(11).reset()
+    assert get_task("addition_chat").teacher is None  # not in the tiny model's pretraining

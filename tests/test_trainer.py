@@ -143,3 +143,128 @@ def test_auto_keeps_unsloth_off_the_narrow_heads_it_was_seen_to_get_wrong(tmp_pa
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))
     assert unsloth_fits(str(tmp_path))  # SmolLM2-135M's shape
     assert unsloth_fits("HuggingFaceTB/SmolLM2-135M-Instruct")  # no local config: Unsloth decides
+
+
+# ---- fused logprobs (rl/logprobs.py), length-sorted micro-batches, the GPU budget --------------
+from artsg_nb.rl import logprobs as lp_mod  # noqa: E402
+from artsg_nb.rl.trainer import GPU_MICRO_BATCH_TOKENS, auto_micro_batch_tokens  # noqa: E402
+
+
+def _sgd(tr):
+    tr.optimizer = torch.optim.SGD([p for p in tr.model.parameters() if p.requires_grad], lr=1.0)
+    return tr
+
+
+def test_fused_path_scores_only_the_wanted_tokens_and_trains_as_the_logits_do(make_trainer):
+    """The fused code path (run here through TorchLogProb, the kernel's plain-torch twin) gives the
+    logits path's logprobs where wanted, 0 elsewhere, and the same update."""
+    plain, fused = _sgd(make_trainer(grpo={"temperature": 0.8})), _sgd(make_trainer(grpo={"temperature": 0.8}))
+    assert plain.logprob_kernel is None  # no CUDA here: the trainer scores with the logits
+    fused.logprob_kernel = lp_mod.TorchLogProb
+    batch = plain.make_batch(_groups())
+    wanted = batch.completion_mask.bool()
+    a = plain.score(batch.input_ids, batch.attention_mask, wanted)
+    b = fused.score(batch.input_ids, batch.attention_mask, wanted)
+    torch.testing.assert_close(b[wanted], a[wanted], rtol=1e-5, atol=1e-5)
+    assert (a[~wanted] == 0).all() and (b[~wanted] == 0).all() and (a[wanted] < 0).all()
+    m_plain, m_fused = plain.train_step(_groups()), fused.train_step(_groups())
+    assert m_plain["loss"] == pytest.approx(m_fused["loss"], rel=1e-5, abs=1e-7)
+    for (n, p), (_, q) in zip(plain.model.named_parameters(), fused.model.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    assert fused.logprob_kernel is lp_mod.TorchLogProb  # it passed its check and stayed
+
+
+def test_a_fused_kernel_that_disagrees_is_dropped_for_the_logits(make_trainer, caplog):
+    class Wrong(lp_mod.TorchLogProb):
+        @staticmethod
+        def apply(*args):
+            out = lp_mod.TorchLogProb.apply(*args)
+            return (out[0] - 1.0, *out[1:])  # one nat off on every token
+
+    tr = make_trainer()
+    tr.logprob_kernel, tr._fused_checked = Wrong, False
+    with caplog.at_level("WARNING"):
+        m = tr.train_step(_groups())
+    assert tr.logprob_kernel is None and "scoring with the logits instead" in caplog.text
+    ref = make_trainer().train_step(_groups())
+    assert m["loss"] == pytest.approx(ref["loss"], rel=1e-6)  # the update used the logits
+
+
+def test_micro_batches_group_similar_lengths_within_the_budget():
+    lengths = [30, 5, 28, 6, 31, 4, 29, 7]
+    groups = _micro_batches(lengths, 64)
+    assert sorted(i for g in groups for i in g) == list(range(8))  # each sequence once
+    assert all(len(g) * max(lengths[i] for i in g) <= 64 for g in groups)
+    assert all(g == sorted(g) for g in groups)
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    consecutive = [[0, 1], [2, 3], [4, 5], [6, 7]]  # what taking them in order gave (each pair fits 64)
+    assert padded < sum(len(g) * max(lengths[i] for i in g) for g in consecutive)
+    assert _micro_batches([10], 4) == [[0]]  # one sequence over the budget still trains, alone
+
+
+def test_auto_budget_follows_free_memory_the_models_shape_and_the_logits():
+    small = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152)
+    big = SimpleNamespace(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, vocab_size=152064)
+    gib = 1 << 30
+    lo, hi = GPU_MICRO_BATCH_TOKENS
+    assert auto_micro_batch_tokens(small, 80 * gib, fused=True) == hi
+    assert lo <= auto_micro_batch_tokens(small, 4 * gib, fused=True) < hi
+    assert auto_micro_batch_tokens(small, 8 * gib, fused=False) < auto_micro_batch_tokens(small, 8 * gib, fused=True)
+    assert auto_micro_batch_tokens(big, 20 * gib, fused=True) < auto_micro_batch_tokens(small, 20 * gib, fused=True)
+    assert auto_micro_batch_tokens(big, 0, fused=False) == lo
+    assert all(auto_micro_batch_tokens(small, f * gib, True) % 1024 == 0 for f in (1, 3, 7, 11))
+
+
+def test_out_of_gpu_memory_redoes_the_update_with_half_the_budget(make_trainer, caplog):
+    """A micro-batch over 2048 tokens "runs out of memory" after part of its backward: the update is
+    redone from zero gradients in smaller micro-batches and equals one made that way from the start."""
+    groups = [SimpleNamespace(trajectories=[_traj(list(range(5, 5 + n)), 4, float(i % 2))
+                                            for i, n in enumerate([300, 290, 280, 270, 260, 250, 240, 230, 220, 210])])]
+    ref = _sgd(make_trainer(micro_batch_tokens=2048))
+    tr = _sgd(make_trainer(micro_batch_tokens=4096))
+    real = tr.micro_batch_loss
+
+    def limited(mb, n_seq, n_items):
+        loss, metrics, logps = real(mb, n_seq, n_items)
+        if mb.input_ids.numel() > 2048:
+            loss.backward(retain_graph=True)  # gradients half-accumulated when it fails
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return loss, metrics, logps
+
+    tr.micro_batch_loss = limited
+    with caplog.at_level("WARNING"):
+        m = tr.train_step(groups)
+    assert m["micro_batch_tokens"] == 2048 and "redoing the update with 2048" in caplog.text
+    m_ref = ref.train_step(groups)
+    assert m["loss"] == pytest.approx(m_ref["loss"], rel=1e-5)
+    for (n, p), (_, q) in zip(ref.model.named_parameters(), tr.model.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
+    assert tr.micro_batch_tokens() == 2048  # later updates stay below the budget that failed
+    tr.micro_batch_loss = lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("still"))
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # at the floor it gives up, saying so
+        tr.train_step(groups)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or lp_mod.fused_kernel() is None,
+                    reason="needs a CUDA GPU and TRL's fused logprob kernel (Triton)")
+def test_trls_fused_kernel_on_the_gpu_agrees_with_the_logits_and_trains_alike(tiny_model_dir):
+    """On the GPU the trainer picks TRL's kernel, keeps it after its check, and one update with it
+    moves the adapter as the logits path's update does (bf16: loose tolerances)."""
+    def make(fused):
+        return _sgd(Trainer(TrainerConfig(model_path=str(tiny_model_dir), learning_rate=1e-2, seed=0, device="cuda",
+                                          use_unsloth=False, fused_logprobs=fused, warm_up=False)))
+    fused, plain = make(True), make(False)
+    assert fused.check_fused() and fused.logprob_kernel is lp_mod.fused_kernel() and plain.logprob_kernel is None
+    batch = plain.make_batch(_groups())
+    wanted = batch.completion_mask.bool().cuda()
+    a = plain.score(batch.input_ids.cuda(), batch.attention_mask.cuda(), wanted)
+    b = fused.score(batch.input_ids.cuda(), batch.attention_mask.cuda(), wanted)
+    assert (b[wanted] - a[wanted]).abs().mean().item() < 0.02 and (b[~wanted] == 0).all()
+    start = [p.detach().clone() for p in plain.model.parameters() if p.requires_grad]
+    m_plain, m_fused = plain.train_step(_groups()), fused.train_step(_groups())
+    assert m_fused["loss"] == pytest.approx(m_plain["loss"], rel=0.05, abs=1e-3)
+    lora = lambda tr: [p.detach() for p in tr.model.parameters() if p.requires_grad]  # noqa: E731
+    d_plain = torch.cat([(p - s0).flatten().float() for p, s0 in zip(lora(plain), start)])
+    d_fused = torch.cat([(p - s0).flatten().float() for p, s0 in zip(lora(fused), start)])
+    assert d_plain.norm() > 0 and (d_fused - d_plain).norm() / d_plain.norm() < 0.1

@@ -3,8 +3,9 @@
     python -m artsg_nb.bench.step --engine sglang --model-path /path/SmolLM2-135M-Instruct \\
         --max-new-tokens 8 256 --steps 10 --frameworks artsg_nb trl
 
-The job is the same on both sides: the addition task's prompts (chat-templated: artsg_nb renders
-them itself, TRL gets them as conversations), its reward (as a TRL reward function), LoRA r/alpha
+The job is the same on both sides: the task's prompts (`--task`, default `addition_chat`: "What is
+a + b?", the reply's last number is its answer; chat-templated: artsg_nb renders them itself, TRL
+gets them as conversations), its reward (as a TRL reward function), LoRA r/alpha
 on the 7 projections, `groups` prompts x `group_size` samples per step (TRL: num_generations=G,
 per-device batch = groups x G, one generation batch per optimizer step), the learning rate
 (constant, AdamW), temperature 1.0, the loss (dapo, ε 0.2 / 0.28, scale_rewards "group"), beta 0,
@@ -69,7 +70,7 @@ def artsg_run_config(cfg: StepBenchConfig, max_new: int, pipeline: bool) -> RunC
     verbose=False: no progress line per step."""
     run_dir = Path(cfg.run_dir) / f"artsg_nb-{cfg.engine}-{max_new}{'-pipe' if pipeline else ''}"
     chosen = {"schedule": cfg.schedule, "verify_adapter": cfg.verify_adapter, "api_key": cfg.api_key}
-    return RunConfig(task="addition", engine=cfg.engine, model_path=cfg.model_path, run_dir=str(run_dir),
+    return RunConfig(task=cfg.task, engine=cfg.engine, model_path=cfg.model_path, run_dir=str(run_dir),
                      group_size=cfg.group_size, groups_per_step=cfg.groups, max_new_tokens=max_new,
                      temperature=1.0, learning_rate=cfg.learning_rate, lora_rank=cfg.lora_rank,
                      lora_alpha=cfg.lora_alpha, seed=cfg.seed, pipeline=pipeline,

@@ -1,7 +1,7 @@
 """The step benchmark's job, shared by its two legs: configuration, prompts, and the result row.
 
-What it does: `StepBenchConfig` (the CLI's fields), `job_prompts` (the addition task's prompts both
-frameworks train on), `leg_result` (one CSV row with exactly `COLUMNS`, warm-up steps left out of
+What it does: `StepBenchConfig` (the CLI's fields), `job_prompts` (the task's episodes both
+frameworks train on, TRL's reward function reading them: `task_reward_func`), `leg_result` (one CSV row with exactly `COLUMNS`, warm-up steps left out of
 the medians, the first update's time kept beside them) and `source_commit` (the git commit the
 benchmark runs from, for the row's `commit`).
 
@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 import tyro
 
-from ..tasks.registry import AdditionEnv
+from ..tasks.registry import get_task
 from ..models.tiny import default_model_dir
 from .run import hardware_name
 
@@ -45,6 +45,11 @@ class StepBenchConfig:
 
     frameworks: tuple[Literal["artsg_nb", "trl"], ...] = FRAMEWORKS
     """"artsg_nb" and/or "trl"."""
+    task: Literal["addition_chat", "addition"] = "addition_chat"
+    """The job's task (tasks/registry.py): both ask "What is a + b?". "addition_chat" reads the
+    reply's last number, so a chat model that explains earns a reward at 8 new tokens and GRPO has
+    a signal on most steps; "addition" wants a bare number, which SmolLM2-135M-Instruct almost
+    never gives, so its updates are skipped (no signal) while TRL runs a backward on a zero loss."""
     engine: Literal["cpu", "sglang", "vllm"] = "cpu"
     """artsg_nb's server: "sglang", "vllm" or "cpu" (TRL generates in-process either way)."""
     model_path: str | None = None
@@ -94,8 +99,33 @@ class StepBenchConfig:
     """Not measured; kept for callers that want to tag a run."""
 
 
-def job_prompts(cfg: StepBenchConfig, n: int) -> list[AdditionEnv]:
-    return [AdditionEnv(cfg.seed * 1_000_003 + i) for i in range(n)]
+def job_seeds(cfg: StepBenchConfig, n: int) -> list[int]:
+    """The env seeds of TRL's `n` prompts (artsg_nb's run draws its own from the same task)."""
+    return [cfg.seed * 1_000_003 + i for i in range(n)]
+
+
+def job_prompts(cfg: StepBenchConfig, n: int) -> list[dict]:
+    """TRL's dataset rows: {"prompt": the episode's opening messages, "seed": its env seed}."""
+    task = get_task(cfg.task)
+    return [{"prompt": task.make_env(seed).reset(), "seed": seed} for seed in job_seeds(cfg, n)]
+
+
+def task_reward_func(task_name: str):
+    """The task's reward as a TRL reward function: each completion is the reply to the episode of
+    its row's `seed` (single-turn tasks: the env's one step pays the reward)."""
+    task = get_task(task_name)
+
+    def reward(completions, seed, **kwargs) -> list[float]:
+        out = []
+        for completion, s in zip(completions, seed):
+            env = task.make_env(int(s))
+            env.reset()
+            reply = completion[-1]["content"] if isinstance(completion, list) else completion
+            out.append(float(env.step(reply).reward))
+        return out
+
+    reward.__name__ = f"{task_name}_reward"
+    return reward
 
 
 def _median(xs: list[float]) -> float:
@@ -141,6 +171,8 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
 
 
 def job_label(cfg: StepBenchConfig) -> str:
-    """The job's shape besides its max_new_tokens: "16x8 r16/32 lr0.0002 seed0" (groups x group size,
-    LoRA r/alpha, learning rate, seed)."""
-    return f"{cfg.groups}x{cfg.group_size} r{cfg.lora_rank}/{cfg.lora_alpha} lr{cfg.learning_rate:g} seed{cfg.seed}"
+    """The job's shape besides its max_new_tokens: "addition_chat 16x8 r16/32 lr0.0002 seed0" (task,
+    groups x group size, LoRA r/alpha, learning rate, seed; rows from before the task was part of
+    it have no task word, and their task was "addition")."""
+    return (f"{cfg.task} {cfg.groups}x{cfg.group_size} r{cfg.lora_rank}/{cfg.lora_alpha} lr{cfg.learning_rate:g} "
+            f"seed{cfg.seed}")

@@ -22,10 +22,10 @@ from trl import GRPOConfig as TRLConfig
 from trl import GRPOTrainer
 from trl.trainer import utils as trl_utils
 
-from ..tasks.registry import addition_reward
 from ..models.tiny import default_model_dir
+from ..rl.logprobs import TorchLogProb
 from ..rl.trainer import LORA_TARGETS
-from .step_job import StepBenchConfig, job_prompts, leg_result
+from .step_job import StepBenchConfig, job_prompts, leg_result, task_reward_func
 
 
 class StepTimer(TrainerCallback):
@@ -69,52 +69,19 @@ def trl_config(cfg: StepBenchConfig, max_new: int, output_dir: str) -> TRLConfig
         model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32})
 
 
-def addition_reward_func(completions, answer, **kwargs) -> list[float]:
-    """The addition task's reward as a TRL reward function (conversational completions)."""
-    return [addition_reward(c[-1]["content"] if isinstance(c, list) else c, int(a))
-            for c, a in zip(completions, answer)]
-
-
-class TorchLogProb:
-    """Plain-torch stand-in for TRL's fused `ChunkedLogProbFunction` (a Triton kernel) with the
-    same `apply` signature and results, so GRPOTrainer runs where Triton does not (CPU here).
-    Installed only when TRL could not import its kernel; on a GPU TRL runs its own."""
-
-    @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-              logit_scale=1.0, outputs=()):
-        logits = hidden.float() @ weight.float().t()
-        if bias is not None:
-            logits = logits + bias.float()
-        logits = logits * logit_scale
-        if final_logit_softcapping is not None:
-            logits = final_logit_softcapping * torch.tanh(logits / final_logit_softcapping)
-        logits = logits / temperature
-        lsm = torch.log_softmax(logits, dim=-1)
-        logprobs = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        outputs = outputs or ()
-        p = lsm.exp()
-        entropy = -(p * lsm).sum(-1) if "entropy" in outputs else None
-        sq = torch.logsumexp(2 * lsm, dim=-1) if "log_sum_sq_probs" in outputs else None
-        mean = logits.mean(-1) if "mean_logits" in outputs else None
-        top1 = (logits.argmax(-1) == targets) if "is_top1" in outputs else None
-        return logprobs, entropy, sq, mean, top1
-
-
 def trl_leg(cfg: StepBenchConfig, max_new: int) -> dict:
     """`cfg.steps` GRPOTrainer steps of the job; one result row (start_s: from here to the trainer
     built, model loaded and LoRA applied)."""
     t_start = time.perf_counter()
     if trl_utils._ChunkedLogProbFunction is None:  # no Triton (CPU): TRL's fused scoring cannot run
         trl_utils._ChunkedLogProbFunction = TorchLogProb
-    envs = job_prompts(cfg, cfg.groups * max(cfg.steps, 1))
-    data = Dataset.from_list([{"prompt": e.reset(), "answer": e.answer} for e in envs])
+    data = Dataset.from_list(job_prompts(cfg, cfg.groups * max(cfg.steps, 1)))
     out = Path(cfg.run_dir) / f"trl-{max_new}"
     shutil.rmtree(out, ignore_errors=True)
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
                       target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
     timer = StepTimer()
-    trainer = GRPOTrainer(model=cfg.model_path or str(default_model_dir()), reward_funcs=[addition_reward_func],
+    trainer = GRPOTrainer(model=cfg.model_path or str(default_model_dir()), reward_funcs=[task_reward_func(cfg.task)],
                           args=trl_config(cfg, max_new, str(out)), train_dataset=data, peft_config=lora,
                           callbacks=[timer])
     start_s = time.perf_counter() - t_start

@@ -2,9 +2,11 @@
 
 What it does: loads the base model with a PEFT LoRA adapter on the attention and MLP projections
 (Unsloth's FastLanguageModel when a CUDA GPU is present and Unsloth imports, plain transformers +
-PEFT otherwise), turns rollout groups into padded tensors, scores them at the sampling
-temperature, and applies `grpo.policy_loss` with gradient accumulation over micro-batches packed
-by a token budget, AdamW and gradient clipping. It saves and restores everything a resumed run
+PEFT otherwise), turns rollout groups into padded tensors, scores their completion tokens at the
+sampling temperature (`logprobs.py`: TRL's fused kernel on a GPU, so the vocabulary-wide logits are
+never made), and applies `grpo.policy_loss` with gradient accumulation over micro-batches of
+similar lengths within a token budget (sized from the free GPU memory unless set; an update that
+runs out of memory is redone with half of it), AdamW and gradient clipping. It saves and restores everything a resumed run
 needs (adapter, optimizer, step, RNG) as safetensors + JSON.
 
 What it does not do: generate text (the server does), talk HTTP, or decide what the loss is (that
@@ -34,6 +36,7 @@ from .checkpoint import (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE, CheckpointErr
                          CheckpointWriter, checkpoint_dir, optimizer_from_tensors, optimizer_to_tensors,
                          read_checkpoint_file, write_checkpoint)
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
+from .logprobs import fusable, fused_kernel, token_logprobs
 from .step_stats import StepStats, batch_counts, is_ratio_stats
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,14 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 WARM_UP_SHAPES = ((1, 32), (2, 48))
 """The (rows, length) micro-batches of Trainer.warm_up: different in both sizes, and small: it runs
 while the server starts, on a shared GPU beside it (96 tokens of fp32 logits: 58 MB at a 150k vocab)."""
+FUSED_TOLERANCE = 0.02
+"""Largest mean |difference| (nats per token) between the fused logprobs and the logits' on the
+trainer's check (`Trainer.check_fused`); bf16 rounding of the two orders of summation is ~0.005."""
+CPU_MICRO_BATCH_TOKENS = 8192
+"""The token budget of a micro-batch on a CPU (or when the GPU's memory cannot be read)."""
+GPU_MICRO_BATCH_TOKENS = (2048, 32768)
+"""The range of the budget sized from free GPU memory (`auto_micro_batch_tokens`): fewer, larger
+micro-batches pay the per-layer launch overhead of a small model fewer times."""
 
 
 @dataclass
@@ -60,8 +71,14 @@ class TrainerConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
-    micro_batch_tokens: int = 8192
-    """Token budget of one forward/backward (padded batch size x length)."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one forward/backward (padded batch size x length). None: sized at every
+    update from the free GPU memory and the model's shape (`auto_micro_batch_tokens`),
+    CPU_MICRO_BATCH_TOKENS on a CPU."""
+    fused_logprobs: bool = True
+    """Score with TRL's fused logprob kernel where it imports (a CUDA GPU with Triton): the LM head
+    projects only the completion tokens, in tiles, and no (B, L, vocab) logits are made. Checked
+    against the logits once (`Trainer.check_fused`); a model it does not reproduce keeps the logits."""
     packing: bool = False
     """Packed micro-batches: the sequences of a micro-batch are packed first-fit into rows as long
     as its longest sequence, with per-sequence position ids (transformers masks attention
@@ -112,6 +129,10 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.checkpoints = CheckpointWriter()
+        self.logprob_kernel = fused_kernel() if cfg.fused_logprobs and self.device.type == "cuda" else None
+        """The fused logprob kernel in use (logprobs.py; None: the model's logits)."""
+        self._fused_checked = self.logprob_kernel is None
+        self._oom_budget: int | None = None  # a budget that ran out of memory: later ones stay below it
         log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(params))
         self.warm_up_s = self.warm_up() if cfg.warm_up else None
         """Seconds `warm_up` took when the trainer was built (None: TrainerConfig.warm_up off)."""
@@ -137,6 +158,7 @@ class Trainer:
                                                    mb.completion_mask.sum())
                 loss.backward()
             self.score_tokens(_made_up_batch(1, shapes[0][1], vocab).input_ids[0].tolist())
+            self.check_fused()
         except torch.cuda.OutOfMemoryError as e:  # a server starting on the same GPU took it: not needed
             log.warning("trainer warm-up skipped: out of GPU memory (%s); the first update pays its one-off "
                         "costs instead", str(e).splitlines()[0])
@@ -151,22 +173,52 @@ class Trainer:
 
     # ---- one GRPO update -------------------------------------------------------------------
     def train_step(self, groups) -> dict:
-        """Advantages → loss → one optimizer step over all valid trajectories of `groups`."""
+        """Advantages → loss → one optimizer step over all valid trajectories of `groups`. Out of
+        GPU memory, the gradients are dropped and the update redone in micro-batches of half the
+        tokens (down to GPU_MICRO_BATCH_TOKENS[0]); later updates stay below that budget."""
         batch = self.make_batch(groups)
-        stats = self.backward(batch)
-        return {**stats.result(), "grad_norm": self.optimizer_step(), **batch_counts(batch)}
+        while True:
+            budget = self.micro_batch_tokens(batch)
+            try:
+                stats = self.backward(batch, budget=budget)
+                break
+            except torch.cuda.OutOfMemoryError:
+                self.optimizer.zero_grad(set_to_none=True)
+                torch.cuda.empty_cache()
+                if budget <= GPU_MICRO_BATCH_TOKENS[0]:
+                    raise
+                self._oom_budget = budget
+                log.warning("trainer: out of GPU memory with micro-batches of %d tokens; redoing the update with "
+                            "%d (set micro_batch_tokens to choose)", budget, self.micro_batch_tokens(batch))
+        return {**stats.result(), "grad_norm": self.optimizer_step(), **batch_counts(batch),
+                "micro_batch_tokens": budget}
 
-    def backward(self, batch: Batch, part: Batch | None = None) -> StepStats:
-        """Forward and backward of `part` of `batch` (all of it by default) in micro-batches,
-        each loss normalised by the *whole* batch's sequences / completion tokens, so the
-        gradients of disjoint parts add up to the whole batch's (distributed.ddp_train_step)."""
+    def micro_batch_tokens(self, batch: Batch | None = None) -> int:
+        """This update's micro-batch token budget: TrainerConfig.micro_batch_tokens, else sized
+        from the free GPU memory (`auto_micro_batch_tokens`); at most half a budget that ran out of memory."""
+        if self.cfg.micro_batch_tokens is not None:
+            budget = int(self.cfg.micro_batch_tokens)
+        elif self.device.type != "cuda":
+            return CPU_MICRO_BATCH_TOKENS
+        else:
+            budget = auto_micro_batch_tokens(self.model.config, torch.cuda.mem_get_info(self.device)[0],
+                                             fused=self.logprob_kernel is not None)
+        if self._oom_budget is not None:
+            budget = max(GPU_MICRO_BATCH_TOKENS[0], min(budget, self._oom_budget // 2))
+        return budget
+
+    def backward(self, batch: Batch, part: Batch | None = None, budget: int | None = None) -> StepStats:
+        """Forward and backward of `part` of `batch` (all of it by default) in micro-batches of
+        `budget` tokens (None: `micro_batch_tokens()`), each loss normalised by the *whole* batch's
+        sequences / completion tokens, so the gradients of disjoint parts add up to the whole
+        batch's (distributed.ddp_train_step)."""
         n_seq = batch.input_ids.shape[0]
         n_items = batch.completion_mask.sum().clamp(min=1)
         stats = StepStats()
         self.model.train()
         log.info("trainer: forward/backward of %d of %d sequences (%d tokens) on %s", (part or batch).input_ids.shape[0],
                  n_seq, int((part or batch).attention_mask.sum()), self.device)
-        for mb in self.micro_batches(batch if part is None else part):
+        for mb in self.micro_batches(batch if part is None else part, budget):
             loss, metrics, logps = self.micro_batch_loss(mb, n_seq, n_items)
             loss.backward()
             stats.add(loss.item(), metrics, mb.completion_mask.sum().item(),
@@ -182,17 +234,19 @@ class Trainer:
         self.step += 1
         return float(grad_norm)
 
-    def micro_batches(self, batch: Batch):
-        """`batch` in micro-batches of at most micro_batch_tokens tokens, on the trainer's device."""
-        for idx in _micro_batches(batch.attention_mask.sum(1).tolist(), self.cfg.micro_batch_tokens):
+    def micro_batches(self, batch: Batch, budget: int | None = None):
+        """`batch` in micro-batches of at most `budget` tokens (None: `micro_batch_tokens()`), each
+        of sequences of similar length (`_micro_batches`), on the trainer's device."""
+        budget = self.micro_batch_tokens(batch) if budget is None else budget
+        for idx in _micro_batches(batch.attention_mask.sum(1).tolist(), budget):
             yield _slice(batch, idx, self.device)
 
     def micro_batch_loss(self, mb: Batch, n_seq: int, n_items) -> tuple[torch.Tensor, dict, torch.Tensor]:
         """(loss, its metrics, the (b, L-1) logprobs with grad) of one micro-batch, normalised by the
         whole batch's `n_seq` sequences / `n_items` completion tokens (grpo.policy_loss)."""
         g = self.cfg.grpo
-        score = self.score_packed if self.packing else self.score
-        logps = score(mb.input_ids, mb.attention_mask)
+        logps = (self.score_packed(mb.input_ids, mb.attention_mask) if self.packing
+                 else self.score(mb.input_ids, mb.attention_mask, mb.completion_mask.bool()))
         ref = self._ref_logps(mb) if g.beta else None
         is_ratio = (importance_sampling_ratio(logps.detach(), mb.sampling_logps, mb.completion_mask, g)
                     if g.is_mode else None)
@@ -200,11 +254,44 @@ class Trainer:
                                     is_ratio=is_ratio, num_sequences=n_seq, num_items=n_items)
         return loss, metrics, logps
 
-    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Per-token logprobs of tokens 1..L-1 at the sampling temperature (as the server)."""
-        from trl.trainer.utils import selective_log_softmax
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-        return selective_log_softmax(logits.float() / self.cfg.grpo.temperature, input_ids[:, 1:])
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              wanted: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, L-1) logprobs of tokens 1..L-1 at the sampling temperature (as the server), where
+        `wanted` is set (None: every real token), 0 elsewhere (logprobs.token_logprobs)."""
+        return token_logprobs(self.model, input_ids, attention_mask, self.cfg.grpo.temperature, wanted,
+                              self._checked_kernel())
+
+    def _checked_kernel(self):
+        if not self._fused_checked:
+            self.check_fused()
+        return self.logprob_kernel
+
+    @torch.no_grad()
+    def check_fused(self) -> bool:
+        """Whether the fused logprobs agree with the logits' (FUSED_TOLERANCE) on made-up tokens,
+        under the current weights; if not, the trainer keeps the logits from now on (logged).
+        Runs once, at warm-up or before the first scoring."""
+        if self._fused_checked:
+            return self.logprob_kernel is not None
+        self._fused_checked = True
+        if not fusable(self.model):
+            log.info("trainer: the model's LM head is not a plain Linear under its backbone; scoring with the logits")
+            self.logprob_kernel = None
+            return False
+        vocab = self.model.get_input_embeddings().num_embeddings
+        mb = _made_up_batch(2, 48, vocab)
+        ids, mask = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        t = self.cfg.grpo.temperature
+        fused = token_logprobs(self.model, ids, mask, t, kernel=self.logprob_kernel)
+        plain = token_logprobs(self.model, ids, mask, t, kernel=None)
+        diff = (fused - plain).abs().mean().item()
+        if not diff <= FUSED_TOLERANCE:  # NaN too
+            log.warning("trainer: the fused logprobs differ from the logits' by %.3g nats a token (tolerance %g) on "
+                        "this model; scoring with the logits instead (slower, more memory)", diff, FUSED_TOLERANCE)
+            self.logprob_kernel = None
+            return False
+        log.info("trainer: fused logprobs agree with the logits (mean |diff| %.2g nats)", diff)
+        return True
 
     @property
     def packing(self) -> bool:
@@ -469,10 +556,29 @@ def _load_unsloth(cfg: TrainerConfig):
 
 
 # ---- batching helpers ------------------------------------------------------------------------
+def auto_micro_batch_tokens(config, free_bytes: int, fused: bool) -> int:
+    """A micro-batch token budget that fits in 60 % of `free_bytes`: per token, the activations the
+    decoder layers keep for the backward (bf16; ~10 values of the hidden size and ~6 of the MLP's
+    a layer, a third more than a Llama layer saves), plus the vocabulary-wide logits, their fp32
+    copy and gradient unless `fused`; within GPU_MICRO_BATCH_TOKENS, a multiple of 1024. An
+    estimate: train_step halves a budget that runs out of memory."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 4096))
+    mlp = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    layers = int(getattr(text, "num_hidden_layers", 32))
+    per_token = layers * (hidden * 10 + mlp * 6) * 2 + (0 if fused else int(getattr(text, "vocab_size", 32000)) * 12)
+    lo, hi = GPU_MICRO_BATCH_TOKENS
+    return max(lo, min(hi, int(free_bytes * 0.6 / per_token) // 1024 * 1024))
+
+
 def _micro_batches(lengths: list[int], budget_tokens: int) -> list[list[int]]:
-    """Consecutive index groups whose padded size (count x longest) fits the token budget."""
+    """Index groups whose padded size (count x longest) fits the token budget, taken in order of
+    length (longest first), so a micro-batch's sequences are of similar length and little of it is
+    padding; each group's indices ascending. The loss of each part is normalised by the whole
+    batch, so the order changes nothing but the padding."""
     out, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
         if cur and (len(cur) + 1) * max(longest, n) > budget_tokens:
             out.append(cur)
             cur, longest = [], 0
@@ -480,7 +586,7 @@ def _micro_batches(lengths: list[int], budget_tokens: int) -> list[list[int]]:
         longest = max(longest, n)
     if cur:
         out.append(cur)
-    return out
+    return [sorted(group) for group in out]
 
 
 def _slice(b: Batch, idx: list[int], device: torch.device) -> Batch:

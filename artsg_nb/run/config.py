@@ -69,8 +69,9 @@ class RunConfig:
     """Requests in flight at once."""
     max_seq_tokens: int = 2048
     """Longest trajectory; longer ones are truncated and masked."""
-    micro_batch_tokens: int = 8192
-    """Trainer token budget per forward/backward."""
+    micro_batch_tokens: int | None = None
+    """Trainer token budget per forward/backward; None: sized from the free GPU memory at each
+    update (TrainerConfig.micro_batch_tokens), 8192 on a CPU."""
     seed: int = 0
     """Seeds prompts, sampling and LoRA initialisation."""
     max_restarts: int = 2

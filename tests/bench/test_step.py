@@ -16,6 +16,7 @@ import torch
 
 from artsg_nb.bench import load_results, load_step_results, step, step_job, step_ratios, step_trl
 from artsg_nb.rl.grpo import GRPOConfig
+from artsg_nb.rl.logprobs import TorchLogProb
 from artsg_nb.run.config import RunConfig
 
 
@@ -168,17 +169,29 @@ def test_trl_config_is_our_job(tmp_path):
     assert getattr(t.lr_scheduler_type, "value", t.lr_scheduler_type) == "constant"
 
 
-def test_reward_func_is_the_task_reward():
-    completions = [[{"role": "assistant", "content": "7"}], [{"role": "assistant", "content": " 6 "}],
-                   [{"role": "assistant", "content": "seven"}]]
-    assert step_trl.addition_reward_func(completions, answer=[7, 7, 7]) == [1.0, 0.4, 0.0]
+def test_trl_reward_func_is_the_task_reward_of_each_rows_episode():
+    from artsg_nb.tasks.registry import get_task
+    cfg = step.StepBenchConfig()
+    assert cfg.task == "addition_chat"
+    rows = step_job.job_prompts(cfg, 3)
+    envs = [get_task("addition_chat").make_env(r["seed"]) for r in rows]
+    assert [r["prompt"] for r in rows] == [e.reset() for e in envs]  # the episodes artsg_nb's task would ask
+    replies = [f"{envs[0].a} + {envs[0].b} = {envs[0].answer}", f"It is {envs[1].answer + 1}.", "seven"]
+    completions = [[{"role": "assistant", "content": c}] for c in replies]
+    seeds = [r["seed"] for r in rows]
+    assert step_job.task_reward_func("addition_chat")(completions, seed=seeds) == [1.0, 0.4, 0.0]
+    strict = step_job.task_reward_func("addition")  # the bare number only
+    assert strict(completions, seed=seeds)[0] == 0.0 and strict([[{"role": "assistant", "content": f" {envs[0].answer} "}]],
+                                                                 seed=seeds[:1]) == [1.0]
+    assert step_job.job_label(cfg).startswith("addition_chat 16x8 ")
+    assert step.artsg_run_config(cfg, 8, False).task == "addition_chat"
 
 
 def test_torch_logprob_matches_log_softmax():
     torch.manual_seed(0)
     hidden, weight = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8)
     targets = torch.randint(0, 11, (5,))
-    lp, ent, *_ = step_trl.TorchLogProb.apply(hidden, weight, None, targets, 0.7, 4, None, 1.0, ("entropy",))
+    lp, ent, *_ = TorchLogProb.apply(hidden, weight, None, targets, 0.7, 4, None, 1.0, ("entropy",))
     ref = torch.log_softmax(hidden @ weight.t() / 0.7, -1)
     assert torch.allclose(lp, ref.gather(-1, targets[:, None])[:, 0], atol=1e-6)
     assert torch.allclose(ent, -(ref.exp() * ref).sum(-1), atol=1e-5)

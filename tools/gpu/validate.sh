@@ -35,7 +35,9 @@
 #               first request, run_dir on disk vs /dev/shm (issue 17's reload target), $OUT/reload.csv
 #   scale-out   GRPO steps with 1 then 2 SGLang servers on this GPU behind sglang-router (0.35 of its
 #               memory each), benchmarks/scale_out_gpu.py: step time, rollout tok/s, hit rate per
-#               worker, $OUT/scale_out.csv (needs sglang-router: .whl-router + .whl-web)
+#               worker, $OUT/scale_out.csv (needs sglang-router: .whl-router + .whl-web). The step
+#               benchmark's job (addition_chat, 16 x 8, SCALE_TOKENS=256 new tokens) on SmolLM2 when the
+#               smollm2 phase built it, else the shipped tiny model (SCALE_MODEL: another)
 #   tiny        the CI tiny model only (/tmp/models/tiny)
 #   smollm2     SmolLM2-135M-Instruct built by `python -m artsg_nb.models` from the GGUF that install.sh
 #               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)
@@ -172,7 +174,9 @@ for p in "$@"; do
                  grep -E '^(PASS|FAIL|SKIP) |^memsaver:' "$OUT/$p.log" | cut -c1-400 | sed 's/^/    /' ;;
     reload)      phase reload 300 python3 benchmarks/reload_profile.py --model $SMOL --engine sglang \
                    --dirs /tmp/runs/reload /dev/shm/artsg-reload --out "$OUT/reload.csv" ;;
-    scale-out)   phase scale-out 540 python3 benchmarks/scale_out_gpu.py --model $TINY --out "$OUT/scale_out.csv"
+    scale-out)   M=$PWD/artsg_nb/models/shipped/tiny-s0-p800; [[ -f $SMOL/config.json ]] && M=$SMOL
+                 phase scale-out 540 python3 benchmarks/scale_out_gpu.py --model "${SCALE_MODEL:-$M}" --task addition_chat \
+                   --max-new-tokens ${SCALE_TOKENS:-256} --out "$OUT/scale_out.csv"
                  grep -E '^\|' "$OUT/scale-out.log" | sed 's/^/    /' ;;
     *) echo "unknown phase $p"; FAILS=$((FAILS + 1)) ;;
   esac

@@ -2,7 +2,8 @@
 
 `plot_step_benchmark(df)` draws the frame bench.step writes (one row per framework x job, and per
 pipeline setting for artsg_nb) as stacked bars: rollout, train and reload medians per framework,
-one group of bars per job (max_new_tokens), with the median step time written over each bar (a
+one group of bars per job (max_new_tokens; and per `job` shape when a frame holds several, named
+under the tick), with the median step time written over each bar (a
 step also spends time outside the three phases: scheduling, metrics, Python). A pipelined artsg_nb
 row ("artsg_nb (sglang, pipelined)") overlaps rollout with train, so its phases add up to more than
 its step: its bar is the measured median step time, split among the phases in proportion to their
@@ -35,6 +36,16 @@ def _labels(df: pd.DataFrame) -> pd.Series:
     pipelined = np.where(_pipelined(df), ", pipelined", "")
     detail = np.where(df["framework"] == "trl", "", " (" + df["engine"].astype(str) + pipelined + ")")
     return df["framework"].astype(str) + detail
+
+
+def _groups(df: pd.DataFrame) -> pd.Series:
+    """Each row's bar group: "8 new tokens", and its `job` shape under it when the frame holds
+    rows of several jobs (a file from before the job column: "" for its rows)."""
+    tokens = df["max_new_tokens"].map(lambda m: f"{int(m)} new tokens")
+    jobs = df["job"].fillna("").astype(str) if "job" in df else pd.Series("", index=df.index)
+    if jobs.nunique() <= 1:
+        return tokens
+    return tokens + "\n" + jobs.replace("", "(job not recorded)")
 
 
 def _segments(rows: pd.DataFrame, pipelined: bool) -> list[np.ndarray]:
@@ -70,12 +81,14 @@ def plot_step_benchmark(df: pd.DataFrame, ax: Axes | None = None) -> Figure:
     df = df.copy()
     df["label"] = _labels(df)
     df["pipelined"] = _pipelined(df)
-    jobs = sorted(df["max_new_tokens"].unique())
+    df["group"] = _groups(df)
+    order = df.sort_values(["max_new_tokens", "group"], kind="stable")
+    jobs = list(dict.fromkeys(order["group"]))
     labels = list(dict.fromkeys(df["label"]))
     width = 0.8 / len(labels)
     for j, label in enumerate(labels):
         pipelined = bool(df.loc[df["label"] == label, "pipelined"].any())
-        rows = df[df["label"] == label].set_index("max_new_tokens").reindex(jobs)
+        rows = df[df["label"] == label].set_index("group").reindex(jobs)
         x = np.arange(len(jobs)) - 0.4 + width * (j + 0.5)
         bottom = np.zeros(len(jobs))
         for (_, name, colour), h in zip(PHASES, _segments(rows, pipelined)):
@@ -86,7 +99,7 @@ def plot_step_benchmark(df: pd.DataFrame, ax: Axes | None = None) -> Figure:
             if np.isfinite(step):
                 ax.text(xi, step, f"{label}\n{step:.2f} s", ha="center", va="bottom", fontsize=7)
             ax.plot([xi - width * 0.45, xi + width * 0.45], [step, step], color="black", lw=1)
-    ax.set_xticks(np.arange(len(jobs)), [f"{m} new tokens" for m in jobs])
+    ax.set_xticks(np.arange(len(jobs)), jobs, fontsize=8 if any("\n" in j for j in jobs) else None)
     ax.legend(loc="upper left", fontsize=8)
     ax.margins(y=0.2)
     return ax.figure

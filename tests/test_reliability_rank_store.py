@@ -79,3 +79,27 @@ def test_rank_store_is_loopback_only_and_refuses_forged_commands(ranked, monkeyp
     assert worker.poll() is None
     log = (run_dir / "trainer-rank1.log").read_text()
     assert "not signed by rank 0" in log and "command 1: train" in log
+
+
+def test_the_stores_descriptor_is_closed_once(tmp_path):
+    """The store's listening descriptor is the store's alone: once the store and whatever
+    loopback_store returned are gone, a file that took over the number stays open (before, the
+    detached-in-name-only socket closed it again at a garbage collection: in CI a server record
+    being written at that moment failed with "Bad file descriptor")."""
+    import gc
+    import os
+
+    from artsg_nb.rl.distributed import loopback_store
+
+    made = loopback_store(2, timedelta(seconds=5))
+    store, rest = (made[0], made[1:]) if isinstance(made, tuple) else (made, ())
+    assert store.port and listening_ips(store.port) == {"127.0.0.1"}
+    del store, made
+    gc.collect()
+    with open(tmp_path / "probe", "w") as probe:  # likely takes the store's old number
+        del rest
+        gc.collect()
+        probe.write("still open")
+        probe.flush()
+        os.fstat(probe.fileno())
+    assert (tmp_path / "probe").read_text() == "still open"

@@ -61,14 +61,14 @@ class StubTrainer:
         mask = torch.tensor([[1] * n + [0] * (max(lengths) - n) for n in lengths])
         return SimpleNamespace(input_ids=torch.zeros_like(mask), attention_mask=mask)
 
-    def micro_batches(self, batch):
+    def micro_batches(self, batch, budget=None):  # Trainer.micro_batches' signature
         for i in range(0, batch.input_ids.shape[0], 2):
             part = batch.attention_mask[i:i + 2]
             yield SimpleNamespace(input_ids=batch.input_ids[i:i + 2, :int(part.sum(1).max())])
 
-    def backward(self, batch):
+    def backward(self, batch, part=None, budget=None):  # Trainer.backward's signature and call
         gc.collect()  # a collection inside train_step, on its thread
-        return [mb for mb in self.micro_batches(batch)]
+        return [mb for mb in self.micro_batches(batch if part is None else part, budget)]
 
     def optimizer_step(self):
         return 0.0

@@ -122,7 +122,7 @@ def test_unknown_task_lists_known_names():
 
 def test_registry():
     names = [t.name for t in list_tasks()]
-    assert names == ["addition", "addition_chat", "price_lookup", "guess_number"]
+    assert names == ["addition", "price_lookup", "guess_number", "addition_chat"]
     assert get_task("addition").max_turns == 1 and get_task("price_lookup").max_turns == 3
     assert get_task("guess_number").max_turns == 4
     assert all(t.max_new_tokens > 0 and t.description for t in list_tasks())
@@ -153,6 +153,7 @@ def test_shared_system_prompts_outweigh_the_questions(tiny_tokenizer):
 
 
 def test_addition_chat_reads_the_replys_last_number():
+    from artsg_nb.tasks.chat import addition_chat_reward
     env = get_task("addition_chat").make_env(3)
     a, b, total = env.a, env.b, env.answer
     assert env.step(f"{a} + {b} = {total}.").reward == 1.0
@@ -161,7 +162,15 @@ def test_addition_chat_reads_the_replys_last_number():
     assert env.step(f"{a} + {b} =").reward == tasks.addition_reward(str(b), total)  # cut off: the operand counts
     assert env.step("I do not know.").reward == 0.0
     assert env.step("٣").reward == 0.0  # ASCII digits only
-    assert tasks.addition_chat_reward(None, 5) == 0.0
+    assert addition_chat_reward(None, 5) == 0.0
     # the prompts are addition's: a benchmark on either task asks the same questions
     assert get_task("addition_chat").make_env(11).reset() == get_task("addition").make_env(11).reset()
     assert get_task("addition_chat").teacher is None  # not in the tiny model's pretraining
+
+
+def test_the_tiny_models_recipe_file_holds_only_the_pretraining_tasks():
+    """addition_chat lives outside registry.py (which the tiny model's build recipe hashes), and
+    the pretraining corpus is the same with it registered."""
+    from pathlib import Path
+    assert "addition_chat" not in Path(tasks.__file__).read_text()
+    assert [t.name for t in list_tasks() if t.teacher is not None] == ["addition", "price_lookup", "guess_number"]

@@ -160,7 +160,7 @@ def test_fused_path_scores_only_the_wanted_tokens_and_trains_as_the_logits_do(ma
     logits path's logprobs where wanted, 0 elsewhere, and the same update."""
     plain, fused = _sgd(make_trainer(grpo={"temperature": 0.8})), _sgd(make_trainer(grpo={"temperature": 0.8}))
     assert plain.logprob_kernel is None  # no CUDA here: the trainer scores with the logits
-    fused.logprob_kernel = lp_mod.TorchLogProb
+    fused.logprob_kernel, fused._fused_checked = lp_mod.TorchLogProb, False  # as a GPU trainer starts
     batch = plain.make_batch(_groups())
     wanted = batch.completion_mask.bool()
     a = plain.score(batch.input_ids, batch.attention_mask, wanted)

@@ -228,7 +228,7 @@ class RankedTrainer:
             raise DistributedError("this kernel already runs a process group (another run with trainer_ranks > 1?). "
                                    "Try: stop that run first; one multi-rank trainer per kernel")
         self.world_size, self._n, self._key = world_size, 0, secrets.token_bytes(32)
-        self._store, self._listener = loopback_store(world_size, timedelta(seconds=start_timeout_s))
+        self._store = loopback_store(world_size, timedelta(seconds=start_timeout_s))
         port = self._store.port
         self.workers = launch("artsg_nb.rl.distributed:follow", world_size,
                               dict(trainer_config=trainer_config_to_json(cfg), step_timeout_s=step_timeout_s),
@@ -311,17 +311,39 @@ class RankedTrainer:
                                 f"resume=True; last lines:\n{log_tail(path)}")
 
 
-def loopback_store(world_size: int, timeout: timedelta) -> tuple[dist.TCPStore, socket.socket]:
-    """A master TCPStore listening on 127.0.0.1 only, and its listening socket (keep it open).
-    TCPStore's own listener binds every interface whatever host it is given; here it gets a
-    socket bound to 127.0.0.1. Other machines cannot reach it; local users can, so commands
-    are signed (RankedTrainer._send) and peers' data is never unpickled (all_gather_json)."""
+def loopback_store(world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """A master TCPStore listening on 127.0.0.1 only. TCPStore's own listener binds every
+    interface whatever host it is given; here it gets a socket bound to 127.0.0.1. Other machines
+    cannot reach it; local users can, so commands are signed (RankedTrainer._send) and peers' data
+    is never unpickled (all_gather_json). The store owns the socket's descriptor (libuv closes it
+    with the store): the Python socket is detached, so nothing closes that number a second time
+    (before, the socket's own close, at any garbage collection, closed whatever file had reused the
+    number: a server record written at that moment failed with EBADF)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(128)
-    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False, master_listen_fd=listener.fileno())
-    return store, listener
+    port = listener.getsockname()[1]
+    fd = listener.detach()
+    try:
+        return dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        _close_if_ours(fd, port)
+        raise
+
+
+def _close_if_ours(fd: int, port: int) -> None:
+    """Close `fd` if it is still the listening socket on `port` (a store that failed to start may
+    or may not have closed it already; another file may hold the number since)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        ours = sock.getsockname()[1] == port
+    except OSError:
+        ours = False
+    sock.close() if ours else sock.detach()
 
 
 def make_trainer(cfg: TrainerConfig, ranks: int, run_dir: str | Path, plan) -> Trainer | RankedTrainer:

@@ -57,7 +57,7 @@ def _from_logits(model, input_ids, attention_mask, temperature, wanted) -> torch
     from trl.trainer.utils import selective_log_softmax
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     lp = selective_log_softmax(logits.float() / temperature, input_ids[:, 1:])
-    return lp * wanted
+    return torch.where(wanted, lp, torch.zeros_like(lp))
 
 
 def _fused(model, input_ids, attention_mask, temperature, wanted, kernel) -> torch.Tensor:
@@ -78,11 +78,14 @@ def _hf_model(model):
 
 
 def _logit_transform(config) -> tuple[float | None, float]:
-    """(final_logit_softcapping, logit_scale) of a model config, as TRL's fused LM head reads them."""
+    """(final_logit_softcapping, logit_scale) of a model config, by TRL 1.15's rules
+    (trl.trainer.utils.add_fused_lm_head); a rule it lacks shows in Trainer.check_fused."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     scale = getattr(text, "logit_scale", None)
+    for name in ("output_multiplier", "lm_head_multiplier"):
+        scale = getattr(text, name, None) if scale is None else scale
     if scale is None and getattr(text, "logits_scaling", None) is not None:
-        scale = 1 / text.logits_scaling
+        scale = text.logits_scaling if getattr(text, "model_type", "") == "hyperclovax" else 1 / text.logits_scaling
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 

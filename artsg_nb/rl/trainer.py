@@ -177,21 +177,31 @@ class Trainer:
         GPU memory, the gradients are dropped and the update redone in micro-batches of half the
         tokens (down to GPU_MICRO_BATCH_TOKENS[0]); later updates stay below that budget."""
         batch = self.make_batch(groups)
+        self._checked_kernel()  # the budget depends on whether the fused path stays
         while True:
-            budget = self.micro_batch_tokens(batch)
+            budget, failed = self.micro_batch_tokens(batch), False
             try:
                 stats = self.backward(batch, budget=budget)
                 break
             except torch.cuda.OutOfMemoryError:
                 self.optimizer.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
                 if budget <= GPU_MICRO_BATCH_TOKENS[0]:
                     raise
+                failed = True
+            if failed:  # outside the except: its traceback no longer holds the failed graph
                 self._oom_budget = budget
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
                 log.warning("trainer: out of GPU memory with micro-batches of %d tokens; redoing the update with "
                             "%d (set micro_batch_tokens to choose)", budget, self.micro_batch_tokens(batch))
         return {**stats.result(), "grad_norm": self.optimizer_step(), **batch_counts(batch),
                 "micro_batch_tokens": budget}
+
+    def release_cached_memory(self) -> None:
+        """Give the GPU memory PyTorch holds cached back to the device (the server takes its
+        memory back after a released update: run/released.py); a no-op on a CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def micro_batch_tokens(self, batch: Batch | None = None) -> int:
         """This update's micro-batch token budget: TrainerConfig.micro_batch_tokens, else sized
@@ -201,8 +211,10 @@ class Trainer:
         elif self.device.type != "cuda":
             return CPU_MICRO_BATCH_TOKENS
         else:
-            budget = auto_micro_batch_tokens(self.model.config, torch.cuda.mem_get_info(self.device)[0],
-                                             fused=self.logprob_kernel is not None)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            budget = auto_micro_batch_tokens(self.model.config, free + cached,  # its own cache is free to it
+                                             fused=self.logprob_kernel is not None and not self.packing)
         if self._oom_budget is not None:
             budget = max(GPU_MICRO_BATCH_TOKENS[0], min(budget, self._oom_budget // 2))
         return budget
@@ -273,25 +285,47 @@ class Trainer:
         Runs once, at warm-up or before the first scoring."""
         if self._fused_checked:
             return self.logprob_kernel is not None
-        self._fused_checked = True
         if not fusable(self.model):
             log.info("trainer: the model's LM head is not a plain Linear under its backbone; scoring with the logits")
-            self.logprob_kernel = None
-            return False
+            return self._keep_logits()
+        try:
+            diff = self._fused_difference()
+        except torch.cuda.OutOfMemoryError:
+            raise  # not a verdict: checked again before the first scoring
+        except Exception as e:  # a kernel that cannot run on this model (Triton, an unusual backbone)
+            log.warning("trainer: the fused logprobs failed on this model (%r); scoring with the logits instead", e)
+            return self._keep_logits()
+        self._fused_checked = True
+        if not diff <= FUSED_TOLERANCE:  # NaN too
+            log.warning("trainer: the fused logprobs differ from the logits' by %.3g nats a token (tolerance %g) on "
+                        "this model; scoring with the logits instead (slower, more memory)", diff, FUSED_TOLERANCE)
+            return self._keep_logits()
+        log.info("trainer: fused logprobs agree with the logits (mean |diff| %.2g nats)", diff)
+        return True
+
+    def _keep_logits(self) -> bool:
+        self.logprob_kernel, self._fused_checked = None, True
+        return False
+
+    def _fused_difference(self) -> float:
+        """Mean |fused - logits| logprob on made-up tokens, with the LoRA B matrices (zero in a new
+        adapter) moved off zero for the comparison, so it sees the adapter applied, then put back."""
         vocab = self.model.get_input_embeddings().num_embeddings
         mb = _made_up_batch(2, 48, vocab)
         ids, mask = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
         t = self.cfg.grpo.temperature
-        fused = token_logprobs(self.model, ids, mask, t, kernel=self.logprob_kernel)
-        plain = token_logprobs(self.model, ids, mask, t, kernel=None)
-        diff = (fused - plain).abs().mean().item()
-        if not diff <= FUSED_TOLERANCE:  # NaN too
-            log.warning("trainer: the fused logprobs differ from the logits' by %.3g nats a token (tolerance %g) on "
-                        "this model; scoring with the logits instead (slower, more memory)", diff, FUSED_TOLERANCE)
-            self.logprob_kernel = None
-            return False
-        log.info("trainer: fused logprobs agree with the logits (mean |diff| %.2g nats)", diff)
-        return True
+        lora_b = [p for n, p in self.model.named_parameters() if p.requires_grad and "lora_B" in n]
+        saved = [p.detach().clone() for p in lora_b]
+        try:
+            for i, p in enumerate(lora_b):  # fixed values, no RNG draw: the trainer's streams stay untouched
+                p.data.add_(torch.cos(torch.arange(p.numel(), device=p.device, dtype=torch.float32) + i)
+                            .reshape(p.shape).to(p.dtype) * 0.02)
+            fused = token_logprobs(self.model, ids, mask, t, kernel=self.logprob_kernel)
+            plain = token_logprobs(self.model, ids, mask, t, kernel=None)
+        finally:
+            for p, s in zip(lora_b, saved):
+                p.data.copy_(s)
+        return (fused - plain).abs().mean().item()
 
     @property
     def packing(self) -> bool:
@@ -381,7 +415,7 @@ class Trainer:
     def _ref_logps(self, mb: Batch) -> torch.Tensor:
         """π_ref = the base model: the same network with the adapter disabled."""
         with torch.no_grad(), self.model.disable_adapter():
-            return self.score(mb.input_ids, mb.attention_mask)
+            return self.score(mb.input_ids, mb.attention_mask, mb.completion_mask.bool())
 
     # ---- adapter and checkpoint I/O ----------------------------------------------------------
     def save_adapter(self, path: str | Path) -> None:

@@ -37,11 +37,14 @@ async def _train(trainer, groups, supervisor: ServerSupervisor, release: bool, t
         metrics = trainer.train_step(groups)
     except BaseException:
         if release:
+            trainer.release_cached_memory()
             try:
                 await supervisor.with_restarts(take_again)
             except Exception as e:  # the training error is the one to report
                 log.error("could not resume the server's memory after a failed training step: %s", e)
         raise
     train_s = time.perf_counter() - t0
+    if release:  # the update sized its micro-batches from the memory the server gave back: return it first
+        trainer.release_cached_memory()
     resume_s = await supervisor.with_restarts(take_again) if release else None
     return metrics, train_s, (release_s, resume_s)

@@ -9,11 +9,6 @@ config.json. The example tasks are small enough for the offline tiny model to le
 - `addition`: "What is 3 + 4?" -> "7" (operands 0..9). Single turn; an exact checker that wants
   the bare number (a sentence scores 0), with partial credit for a near miss, so the G samples
   of a group rarely all score the same (identical rewards give zero advantage).
-- `addition_chat`: the same questions answered in any words ("3 + 4 = 7."): the reply's last
-  number is its answer, as GSM8K-style checkers read one. For chat models that explain before
-  they answer (SmolLM2-135M-Instruct almost never replies with a bare number, so `addition` pays
-  it nothing and GRPO has no signal; here half its groups have one within 8 tokens). The step
-  benchmark's job; not in the tiny model's pretraining.
 - `price_lookup`: a tool-using agent. A shared system prompt (what prefix caching reuses
   across a group and a step; kept short, ~50 tokens, because behind a 200-token prompt the tiny
   model copied the asked item into its tool call only half the time, which left GRPO no skill to
@@ -160,22 +155,6 @@ class AdditionEnv:
 
     def step(self, reply: str) -> StepResult:
         return StepResult(messages=[], reward=addition_reward(reply, self.answer), done=True)
-
-
-_LAST_NUMBER = re.compile(r"(?<![0-9])[0-9]{1,9}(?![0-9])")  # ASCII digits; 9 bound int()
-
-
-def addition_chat_reward(reply: str, answer: int) -> float:
-    """`addition_reward` of the reply's last number ("2 + 9 = 11." -> 11); 0.0 without one."""
-    numbers = _LAST_NUMBER.findall(reply) if isinstance(reply, str) else []
-    return addition_reward(numbers[-1], answer) if numbers else 0.0
-
-
-class AdditionChatEnv(AdditionEnv):
-    """`AdditionEnv`'s question; the reply's last number is its answer (`addition_chat_reward`)."""
-
-    def step(self, reply: str) -> StepResult:
-        return StepResult(messages=[], reward=addition_chat_reward(reply, self.answer), done=True)
 
 
 def _addition_teacher(env: AdditionEnv, rng: random.Random, noise: float) -> str:
@@ -329,8 +308,6 @@ def _guess_teacher(env: GuessNumberEnv, rng: random.Random, noise: float) -> str
 _BUILTIN = [
     Task("addition", f"single turn: add two numbers from 0..{ADDITION_MAX_OPERAND}, reply with the sum",
          max_turns=1, max_new_tokens=8, factory=AdditionEnv, teacher=_addition_teacher),
-    Task("addition_chat", f"single turn: add two numbers from 0..{ADDITION_MAX_OPERAND}, answer in any words "
-         "(the reply's last number counts)", max_turns=1, max_new_tokens=32, factory=AdditionChatEnv),
     Task("price_lookup", "multi-turn agent: look up an item's price with a tool, then answer it "
          "(long shared system prompt)", max_turns=SHOP_TURNS, max_new_tokens=8, factory=PriceLookupEnv,
          teacher=_shop_teacher),

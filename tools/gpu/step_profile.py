@@ -316,8 +316,8 @@ def instrument_trainer(trainer, rec: Recorder) -> None:
                                      tokens=int(batch.attention_mask.sum()))
         return batch
 
-    def micro_batches_recorded(batch):
-        for mb in micro_batches(batch):
+    def micro_batches_recorded(batch, *args, **kwargs):
+        for mb in micro_batches(batch, *args, **kwargs):
             rec.train_records[-1]["shapes"].append(tuple(int(n) for n in mb.input_ids.shape))
             yield mb
 

@@ -1,0 +1,39 @@
+"""`addition_chat`: the addition task's questions for chat models that explain before they answer.
+
+What it does: `AdditionChatEnv` asks registry.AdditionEnv's question ("What is 3 + 4?") and reads
+the reply's last number as its answer ("3 + 4 = 7." -> 7), as GSM8K-style checkers read one,
+scored by `addition_reward` (1.0 right, partial credit for a near miss). SmolLM2-135M-Instruct
+almost never replies with a bare number, so `addition` pays it nothing and GRPO gets no signal;
+here about half its groups have one within 8 new tokens. The step benchmark's job. `ADDITION_CHAT`
+is registered with the built-in tasks when `artsg_nb.tasks` is imported.
+
+What it does not do: enter the tiny model's pretraining (no teacher). It lives outside
+registry.py on purpose: the tiny model's build recipe hashes that file (models/tiny.py), and this
+task changes nothing the tiny model learns.
+"""
+from __future__ import annotations
+
+import re
+
+from .episode import StepResult
+from .registry import ADDITION_MAX_OPERAND, AdditionEnv, Task, addition_reward
+
+_NUMBER = re.compile(r"(?<![0-9])[0-9]{1,9}(?![0-9])")  # ASCII digits; 9 of them bound int()
+
+
+def addition_chat_reward(reply: str, answer: int) -> float:
+    """`addition_reward` of the reply's last number ("2 + 9 = 11." -> 11); 0.0 without one."""
+    numbers = _NUMBER.findall(reply) if isinstance(reply, str) else []
+    return addition_reward(numbers[-1], answer) if numbers else 0.0
+
+
+class AdditionChatEnv(AdditionEnv):
+    """`AdditionEnv`'s question; the reply's last number is its answer (`addition_chat_reward`)."""
+
+    def step(self, reply: str) -> StepResult:
+        return StepResult(messages=[], reward=addition_chat_reward(reply, self.answer), done=True)
+
+
+ADDITION_CHAT = Task("addition_chat", f"single turn: add two numbers from 0..{ADDITION_MAX_OPERAND}, answer in "
+                     "any words (the reply's last number counts)", max_turns=1, max_new_tokens=32,
+                     factory=AdditionChatEnv)

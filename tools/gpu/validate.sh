@@ -43,7 +43,9 @@
 #               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)
 #   stepbench   python -m artsg_nb.bench.step: artsg_nb on SGLang (RunConfig defaults, synchronous) vs TRL's
 #               GRPOTrainer, same job, 8 and 256 new tokens, STEP_STEPS (default 8) steps each; merged into
-#               /tmp/step.csv (kept while the host stays warm), copied to $OUT/step.csv. STEP_LIMIT_S: its limit
+#               /tmp/step.csv (kept while the host stays warm) through $OUT/step.csv (written after every leg, so
+#               a call cut short keeps the legs it finished). STEP_LIMIT_S: its limit; STEP_TOKENS: the jobs'
+#               new tokens in running order ("8 256"); STEP_PIPELINE: "False True" runs the pipelined legs too
 #   stepbench-pipe  the same artsg_nb legs with RunConfig(pipeline=True), merged into the same /tmp/step.csv
 #               (its rows replace only pipelined ones): run it in the device call after stepbench (<= 30 s
 #               apart, so the host stays warm) and $OUT/step.csv has sync, pipelined and TRL rows
@@ -111,11 +113,12 @@ for p in "$@"; do
     tiny)        phase tiny 240 python3 -m artsg_nb.models tiny $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
     stepbench|stepbench-pipe)
-                 STEP_ARGS="--pipeline False"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
+                 STEP_ARGS="--pipeline ${STEP_PIPELINE:-False}"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
+                 [[ -f /tmp/step.csv ]] && cp /tmp/step.csv "$OUT/step.csv"  # written in $OUT after every leg: a cut call keeps its legs
                  phase "$p" "${STEP_LIMIT_S:-560}" python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL \
-                   --max-new-tokens 8 256 $STEP_ARGS --steps ${STEP_STEPS:-8} --groups 16 --group-size 8 \
-                   --run-dir /tmp/runs/step --out /tmp/step.csv
-                 [[ -f /tmp/step.csv ]] && cp /tmp/step.csv "$OUT/step.csv"
+                   --max-new-tokens ${STEP_TOKENS:-8 256} $STEP_ARGS --steps ${STEP_STEPS:-8} --groups 16 --group-size 8 \
+                   --run-dir /tmp/runs/step --out "$OUT/step.csv"
+                 [[ -f $OUT/step.csv ]] && cp "$OUT/step.csv" /tmp/step.csv
                  grep -E 'artsg_nb|trl|ratio|x TRL|speed|replacing' "$OUT/$p.log" | tail -14 | cut -c1-220 | sed 's/^/    /' ;;
     step-profile) phase step-profile 300 bash -c "rm -rf /tmp/runs/step-profile && python3 tools/gpu/step_profile.py --engine sglang \
                    --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens 8 ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} \

@@ -45,7 +45,8 @@
 #               GRPOTrainer, same job, 8 and 256 new tokens, STEP_STEPS (default 8) steps each; merged into
 #               /tmp/step.csv (kept while the host stays warm) through $OUT/step.csv (written after every leg, so
 #               a call cut short keeps the legs it finished). STEP_LIMIT_S: its limit; STEP_TOKENS: the jobs'
-#               new tokens in running order ("8 256"); STEP_PIPELINE: "False True" runs the pipelined legs too
+#               new tokens in running order ("8 256"); STEP_PIPELINE: "False True" runs the pipelined legs too;
+#               STEP_FRAMEWORKS: "artsg_nb" leaves TRL's legs out
 #   stepbench-pipe  the same artsg_nb legs with RunConfig(pipeline=True), merged into the same /tmp/step.csv
 #               (its rows replace only pipelined ones): run it in the device call after stepbench (<= 30 s
 #               apart, so the host stays warm) and $OUT/step.csv has sync, pipelined and TRL rows
@@ -113,7 +114,7 @@ for p in "$@"; do
     tiny)        phase tiny 240 python3 -m artsg_nb.models tiny $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
     stepbench|stepbench-pipe)
-                 STEP_ARGS="--pipeline ${STEP_PIPELINE:-False}"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
+                 STEP_ARGS="--frameworks ${STEP_FRAMEWORKS:-artsg_nb trl} --pipeline ${STEP_PIPELINE:-False}"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
                  [[ -f /tmp/step.csv ]] && cp /tmp/step.csv "$OUT/step.csv"  # written in $OUT after every leg: a cut call keeps its legs
                  phase "$p" "${STEP_LIMIT_S:-560}" python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL \
                    --max-new-tokens ${STEP_TOKENS:-8 256} $STEP_ARGS --steps ${STEP_STEPS:-8} --groups 16 --group-size 8 \

@@ -81,25 +81,41 @@ def test_rank_store_is_loopback_only_and_refuses_forged_commands(ranked, monkeyp
     assert "not signed by rank 0" in log and "command 1: train" in log
 
 
-def test_the_stores_descriptor_is_closed_once(tmp_path):
+def test_the_stores_descriptor_is_closed_once(tmp_path, monkeypatch):
     """The store's listening descriptor is the store's alone: once the store and whatever
-    loopback_store returned are gone, a file that took over the number stays open (before, the
-    detached-in-name-only socket closed it again at a garbage collection: in CI a server record
-    being written at that moment failed with "Bad file descriptor")."""
+    loopback_store returned are gone, a file put at that descriptor's number stays open (before,
+    the socket kept beside the store closed the number again at a garbage collection: in CI a
+    server record being written at that moment failed with "Bad file descriptor")."""
     import gc
     import os
 
-    from artsg_nb.rl.distributed import loopback_store
+    from artsg_nb.rl import distributed
 
-    made = loopback_store(2, timedelta(seconds=5))
+    detached = []
+    real_detach = socket.socket.detach
+    monkeypatch.setattr(socket.socket, "detach", lambda self: detached.append(real_detach(self)) or detached[-1])
+    made = distributed.loopback_store(2, timedelta(seconds=5))
     store, rest = (made[0], made[1:]) if isinstance(made, tuple) else (made, ())
+    number = rest[0].fileno() if rest else detached[-1]  # the listening socket's descriptor
     assert store.port and listening_ips(store.port) == {"127.0.0.1"}
     del store, made
     gc.collect()
-    with open(tmp_path / "probe", "w") as probe:  # likely takes the store's old number
+    deadline = time.monotonic() + 10
+    while True:  # the store's event loop closes its socket on its own thread, soon after
+        try:
+            os.fstat(number)
+        except OSError:
+            break
+        assert time.monotonic() < deadline, "the store kept its listening socket open after it was dropped"
+        time.sleep(0.01)
+    probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
+    if probe != number:  # the number now names this file, whatever held it
+        os.dup2(probe, number)
+        os.close(probe)
+    try:
         del rest
         gc.collect()
-        probe.write("still open")
-        probe.flush()
-        os.fstat(probe.fileno())
+        os.write(number, b"still open")
+    finally:
+        os.close(number)
     assert (tmp_path / "probe").read_text() == "still open"

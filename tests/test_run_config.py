@@ -27,3 +27,19 @@ def test_verify_every_below_one_is_refused_with_the_way_to_turn_the_check_off():
         with pytest.raises(ValueError, match=r"verify_every=.*>= 1.*verify_adapter=False"):
             RunConfig(verify_every=bad)
     assert RunConfig(verify_every=1).verify_every == 1
+
+
+def test_a_run_saved_with_the_old_micro_batch_default_resumes():
+    """micro_batch_tokens was 8192 by default before it became None (sized from free memory): the
+    update is the same in any micro-batches, so a run saved with 8192 resumes (it raised before)."""
+    saved = config_record(RunConfig(micro_batch_tokens=8192))
+    check_resumable(saved, replace(RunConfig(), resume=True))
+    assert RunConfig().micro_batch_tokens is None
+
+
+def test_the_package_task_registered_outside_the_registry_is_recorded_by_name():
+    from artsg_nb.tasks.chat import ADDITION_CHAT
+
+    record = config_record(RunConfig(task=ADDITION_CHAT))
+    assert record["task"] == "addition_chat" and "task_note" not in record
+    assert get_task(record["task"]) is ADDITION_CHAT

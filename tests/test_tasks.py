@@ -174,3 +174,5 @@ def test_the_tiny_models_recipe_file_holds_only_the_pretraining_tasks():
     from pathlib import Path
     assert "addition_chat" not in Path(tasks.__file__).read_text()
     assert [t.name for t in list_tasks() if t.teacher is not None] == ["addition", "price_lookup", "guess_number"]
+    assert tasks.pretraining_corpus(9, seed=3) == tasks.pretraining_corpus(9, seed=3, mix=["addition", "price_lookup",
+                                                                                          "guess_number"])

@@ -3,7 +3,7 @@
     python -m artsg_nb.bench.step --engine sglang --model-path /path/SmolLM2-135M-Instruct \\
         --max-new-tokens 8 256 --steps 10 --frameworks artsg_nb trl
 
-The job is the same on both sides: the task's prompts (`--task`, default `addition_chat`: "What is
+The job is the same on both sides: prompts of the task (`--task`, default `addition_chat`: "What is
 a + b?", the reply's last number is its answer; chat-templated: artsg_nb renders them itself, TRL
 gets them as conversations), its reward (as a TRL reward function), LoRA r/alpha
 on the 7 projections, `groups` prompts x `group_size` samples per step (TRL: num_generations=G,

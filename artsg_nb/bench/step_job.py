@@ -1,7 +1,8 @@
 """The step benchmark's job, shared by its two legs: configuration, prompts, and the result row.
 
-What it does: `StepBenchConfig` (the CLI's fields), `job_prompts` (the task's episodes both
-frameworks train on, TRL's reward function reading them: `task_reward_func`), `leg_result` (one CSV row with exactly `COLUMNS`, warm-up steps left out of
+What it does: `StepBenchConfig` (the CLI's fields), `job_prompts` (TRL's dataset: the task's
+episodes for seeds of its own; artsg_nb's run draws its seeds from the same task, so both train on
+prompts of one distribution, not the same prompts), `task_reward_func` (the task's reward for TRL), `leg_result` (one CSV row with exactly `COLUMNS`, warm-up steps left out of
 the medians, the first update's time kept beside them) and `source_commit` (the git commit the
 benchmark runs from, for the row's `commit`).
 
@@ -46,7 +47,7 @@ class StepBenchConfig:
     frameworks: tuple[Literal["artsg_nb", "trl"], ...] = FRAMEWORKS
     """"artsg_nb" and/or "trl"."""
     task: Literal["addition_chat", "addition"] = "addition_chat"
-    """The job's task (tasks/registry.py): both ask "What is a + b?". "addition_chat" reads the
+    """The job's task (tasks/chat.py, tasks/registry.py): both ask "What is a + b?". "addition_chat" reads the
     reply's last number, so a chat model that explains earns a reward at 8 new tokens and GRPO has
     a signal on most steps; "addition" wants a bare number, which SmolLM2-135M-Instruct almost
     never gives, so its updates are skipped (no signal) while TRL runs a backward on a zero loss."""

@@ -85,6 +85,7 @@ def ddp_train_step(trainer: Trainer, groups, rank: int, world_size: int) -> dict
     """One optimizer step on `groups` (the same on every rank), this rank computing its shard.
     Returns Trainer.train_step's metrics for the whole batch (every rank's part added up)."""
     batch = trainer.make_batch(groups)
+    trainer.check_fused()  # before the budget is sized: it depends on whether the fused path stays
     stats = trainer.backward(batch, _take(batch, shard(batch.input_ids.shape[0], rank, world_size)))
     params = _trainable(trainer)
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])

@@ -146,7 +146,8 @@ class Trainer:
         in `shapes`, on made-up tokens, and one `score_tokens`; seconds taken. Two shapes that differ
         in both sizes: torch.compile compiles for the first and recompiles once with dynamic sizes at
         the second, so real batches reuse that graph. The gradients are dropped and the RNG states put
-        back: weights, optimizer, step and every later draw are the same as without it (tests check)."""
+        back: weights, optimizer, step and every later draw are the same as without it (tests check).
+        It also runs `check_fused`, which may switch the trainer to the logits."""
         t0 = time.perf_counter()
         rng = _rng_states(self.device)
         try:
@@ -177,23 +178,22 @@ class Trainer:
         GPU memory, the gradients are dropped and the update redone in micro-batches of half the
         tokens (down to GPU_MICRO_BATCH_TOKENS[0]); later updates stay below that budget."""
         batch = self.make_batch(groups)
-        self._checked_kernel()  # the budget depends on whether the fused path stays
         while True:
-            budget, failed = self.micro_batch_tokens(batch), False
+            budget = None
             try:
+                self._checked_kernel()  # first: the budget depends on whether the fused path stays
+                budget = self.micro_batch_tokens()
                 stats = self.backward(batch, budget=budget)
                 break
             except torch.cuda.OutOfMemoryError:
                 self.optimizer.zero_grad(set_to_none=True)
-                if budget <= GPU_MICRO_BATCH_TOKENS[0]:
+                if budget is None or budget <= GPU_MICRO_BATCH_TOKENS[0]:  # None: the kernel check itself
                     raise
-                failed = True
-            if failed:  # outside the except: its traceback no longer holds the failed graph
-                self._oom_budget = budget
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                log.warning("trainer: out of GPU memory with micro-batches of %d tokens; redoing the update with "
-                            "%d (set micro_batch_tokens to choose)", budget, self.micro_batch_tokens(batch))
+            # out of memory; here, outside the except, its traceback no longer holds the failed graph
+            self.release_cached_memory()
+            self._oom_budget = budget
+            log.warning("trainer: out of GPU memory with micro-batches of %d tokens; redoing the update with "
+                        "%d (set micro_batch_tokens to choose)", budget, self.micro_batch_tokens())
         return {**stats.result(), "grad_norm": self.optimizer_step(), **batch_counts(batch),
                 "micro_batch_tokens": budget}
 
@@ -203,7 +203,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def micro_batch_tokens(self, batch: Batch | None = None) -> int:
+    def micro_batch_tokens(self) -> int:
         """This update's micro-batch token budget: TrainerConfig.micro_batch_tokens, else sized
         from the free GPU memory (`auto_micro_batch_tokens`); at most half a budget that ran out of memory."""
         if self.cfg.micro_batch_tokens is not None:
@@ -249,7 +249,7 @@ class Trainer:
     def micro_batches(self, batch: Batch, budget: int | None = None):
         """`batch` in micro-batches of at most `budget` tokens (None: `micro_batch_tokens()`), each
         of sequences of similar length (`_micro_batches`), on the trainer's device."""
-        budget = self.micro_batch_tokens(batch) if budget is None else budget
+        budget = self.micro_batch_tokens() if budget is None else budget
         for idx in _micro_batches(batch.attention_mask.sum(1).tolist(), budget):
             yield _slice(batch, idx, self.device)
 
@@ -315,7 +315,8 @@ class Trainer:
         ids, mask = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
         t = self.cfg.grpo.temperature
         lora_b = [p for n, p in self.model.named_parameters() if p.requires_grad and "lora_B" in n]
-        saved = [p.detach().clone() for p in lora_b]
+        saved, training = [p.detach().clone() for p in lora_b], self.model.training
+        self.model.eval()  # no dropout: both passes see the same network, and no RNG is drawn
         try:
             for i, p in enumerate(lora_b):  # fixed values, no RNG draw: the trainer's streams stay untouched
                 p.data.add_(torch.cos(torch.arange(p.numel(), device=p.device, dtype=torch.float32) + i)
@@ -325,6 +326,7 @@ class Trainer:
         finally:
             for p, s in zip(lora_b, saved):
                 p.data.copy_(s)
+            self.model.train(training)
         return (fused - plain).abs().mean().item()
 
     @property

@@ -17,7 +17,7 @@ from typing import Sequence
 from ..engines import memory_tags
 from ..engines.base import ADMIN_TIMEOUT_S
 from ..rl.grpo import GRPOConfig
-from ..tasks.registry import NOT_IMPORTABLE, Task, task_spec
+from ..tasks.registry import NOT_IMPORTABLE, Task, UnknownTaskError, get_task, task_spec
 
 TINY_MODEL_LEARNING_RATE = 3e-3
 """learning_rate=None on the offline tiny model (both demo tasks climb from ~0.4-0.5 to ~0.85 in
@@ -164,8 +164,11 @@ CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
 _OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s", "verify_adapter", "verify_every", "concurrency",
                           "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule",
-                          "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to"})
-"""Fields that change how a run is operated, not what it computes: a resumed run may change them."""
+                          "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to",
+                          "micro_batch_tokens"})
+"""Fields that change how a run is operated, not what it computes: a resumed run may change them
+(micro_batch_tokens: the update is the same in any micro-batches, and since it may be None, sized
+at every update from free memory, runs saved with 8192 resume under the new default)."""
 
 
 def resolve_schedule(schedule: str, max_turns: int) -> str:
@@ -178,6 +181,14 @@ def resolve_schedule(schedule: str, max_turns: int) -> str:
     if schedule != "auto":
         return schedule
     return "n" if max_turns == 1 else "prefix"
+
+
+def _registered(task: Task) -> bool:
+    """Whether `task` is the one registered under its name (get_task finds it again by name)."""
+    try:
+        return get_task(task.name) is task
+    except UnknownTaskError:
+        return False
 
 
 class ConfigMismatchError(ValueError):
@@ -193,6 +204,8 @@ def config_record(cfg: RunConfig) -> dict:
     keeps its name and adds `"task_note": "not importable"`, so the run says which task it was
     but cannot be started again from config.json alone."""
     spec, note = task_spec(cfg.task)
+    if note == NOT_IMPORTABLE and isinstance(cfg.task, Task) and _registered(cfg.task):
+        spec, note = cfg.task.name, None  # a package task registered outside registry.py (tasks/chat.py)
     record = json.loads(json.dumps(asdict(replace(cfg, task=spec)), default=str))
     if note == NOT_IMPORTABLE:
         record["task_note"] = NOT_IMPORTABLE

@@ -21,6 +21,17 @@ from .supervisor import ServerSupervisor
 log = logging.getLogger(__name__)
 
 
+async def _resume(trainer, supervisor: ServerSupervisor, take_again) -> float:
+    """The server takes its memory back; the trainer's cached GPU memory (it sized its micro-batches
+    from what the server gave back) is returned to the device first, and a failure there does not
+    keep the server from resuming."""
+    try:
+        trainer.release_cached_memory()
+    except Exception as e:
+        log.error("could not empty the trainer's GPU memory cache before the server resumes: %s", e)
+    return await supervisor.with_restarts(take_again)
+
+
 async def train_released(trainer, groups, supervisor: ServerSupervisor, release: bool,
                          tags) -> tuple[dict, float, tuple]:
     """(metrics, train_s, (release_s, resume_s)); the pair is (None, None) when release is off."""
@@ -37,14 +48,11 @@ async def _train(trainer, groups, supervisor: ServerSupervisor, release: bool, t
         metrics = trainer.train_step(groups)
     except BaseException:
         if release:
-            trainer.release_cached_memory()
             try:
-                await supervisor.with_restarts(take_again)
+                await _resume(trainer, supervisor, take_again)
             except Exception as e:  # the training error is the one to report
                 log.error("could not resume the server's memory after a failed training step: %s", e)
         raise
     train_s = time.perf_counter() - t0
-    if release:  # the update sized its micro-batches from the memory the server gave back: return it first
-        trainer.release_cached_memory()
-    resume_s = await supervisor.with_restarts(take_again) if release else None
+    resume_s = await _resume(trainer, supervisor, take_again) if release else None
     return metrics, train_s, (release_s, resume_s)

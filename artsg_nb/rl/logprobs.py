@@ -77,10 +77,15 @@ def _hf_model(model):
     return get_base() if callable(get_base) else model
 
 
+def text_config(config):
+    """The language model's part of a model config (a vision-language config nests it), or `config`."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _logit_transform(config) -> tuple[float | None, float]:
     """(final_logit_softcapping, logit_scale) of a model config, by TRL 1.15's rules
     (trl.trainer.utils.add_fused_lm_head); a rule it lacks shows in Trainer.check_fused."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     scale = getattr(text, "logit_scale", None)
     for name in ("output_multiplier", "lm_head_multiplier"):
         scale = getattr(text, name, None) if scale is None else scale

@@ -36,7 +36,7 @@ from .checkpoint import (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE, CheckpointErr
                          CheckpointWriter, checkpoint_dir, optimizer_from_tensors, optimizer_to_tensors,
                          read_checkpoint_file, write_checkpoint)
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
-from .logprobs import fusable, fused_kernel, token_logprobs
+from .logprobs import fusable, fused_kernel, text_config, token_logprobs
 from .step_stats import StepStats, batch_counts, is_ratio_stats
 
 log = logging.getLogger(__name__)
@@ -598,7 +598,7 @@ def auto_micro_batch_tokens(config, free_bytes: int, fused: bool) -> int:
     a layer, a third more than a Llama layer saves), plus the vocabulary-wide logits, their fp32
     copy and gradient unless `fused`; within GPU_MICRO_BATCH_TOKENS, a multiple of 1024. An
     estimate: train_step halves a budget that runs out of memory."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     hidden = int(getattr(text, "hidden_size", 4096))
     mlp = int(getattr(text, "intermediate_size", None) or 4 * hidden)
     layers = int(getattr(text, "num_hidden_layers", 32))

@@ -159,10 +159,19 @@ def test_addition_chat_reads_the_replys_last_number():
     assert env.step(f"{a} + {b} = {total}.").reward == 1.0
     assert env.step(f"The sum of {a} and {b} is {total}").reward == 1.0
     assert env.step(f"{total} is wrong, it is {total + 1}").reward == pytest.approx(0.4)  # the last one counts
-    assert env.step(f"{a} + {b} =").reward == tasks.addition_reward(str(b), total)  # cut off: the operand counts
+    assert env.step(f"{total}, as {a} + {b} makes").reward == 1.0  # the restated question is set aside
+    assert env.step(f"{b} + {a} = {total}").reward == 1.0
+    # cut off before the answer: the operands are the question's, not a guess (b is near a + b here)
+    assert tasks.addition_reward(str(b), total) > 0
+    assert env.step(f"{a} + {b} =").reward == 0.0
+    assert env.step(f"The sum of {a} and {b} is").reward == 0.0
     assert env.step("I do not know.").reward == 0.0
     assert env.step("٣").reward == 0.0  # ASCII digits only
-    assert addition_chat_reward(None, 5) == 0.0
+    assert addition_chat_reward(None, 2, 3) == 0.0
+    # an operand that is the answer still counts: alone, or after the restated question
+    assert addition_chat_reward("4", 0, 4) == 1.0
+    assert addition_chat_reward("0 + 4 = 4", 0, 4) == 1.0
+    assert addition_chat_reward("0 + 4 =", 0, 4) == 0.0
     # the prompts are addition's: a benchmark on either task asks the same questions
     assert get_task("addition_chat").make_env(11).reset() == get_task("addition").make_env(11).reset()
     assert get_task("addition_chat").teacher is None  # not in the tiny model's pretraining

@@ -2,7 +2,8 @@
 
 What it does: `AdditionChatEnv` asks registry.AdditionEnv's question ("What is 3 + 4?") and reads
 the reply's last number as its answer ("3 + 4 = 7." -> 7), as GSM8K-style checkers read one,
-scored by `addition_reward` (1.0 right, partial credit for a near miss). SmolLM2-135M-Instruct
+once the question's two operands are set aside where the reply restates them ("3 + 4 =", cut off
+there, has no answer: its 4 is an operand, not a guess), scored by `addition_reward` (1.0 right, partial credit for a near miss). SmolLM2-135M-Instruct
 almost never replies with a bare number, so `addition` pays it nothing and GRPO gets no signal;
 here about half its groups have one within 8 new tokens. The step benchmark's job. `ADDITION_CHAT`
 is registered with the built-in tasks when `artsg_nb.tasks` is imported.
@@ -21,17 +22,34 @@ from .registry import ADDITION_MAX_OPERAND, AdditionEnv, Task, addition_reward
 _NUMBER = re.compile(r"(?<![0-9])[0-9]{1,9}(?![0-9])")  # ASCII digits; 9 of them bound int()
 
 
-def addition_chat_reward(reply: str, answer: int) -> float:
-    """`addition_reward` of the reply's last number ("2 + 9 = 11." -> 11); 0.0 without one."""
-    numbers = _NUMBER.findall(reply) if isinstance(reply, str) else []
-    return addition_reward(numbers[-1], answer) if numbers else 0.0
+def addition_chat_reward(reply: str, a: int, b: int) -> float:
+    """`addition_reward` of the reply's answer to "a + b" (`reply_answer`); 0.0 without one."""
+    answer = reply_answer(reply, a, b)
+    return addition_reward(str(answer), a + b) if answer is not None else 0.0
+
+
+def reply_answer(reply: str, a: int, b: int) -> int | None:
+    """The reply's last number once a restated question's operands are set aside.
+
+    "3 + 4 = 7." -> 7; "7, as 3 + 4 makes" -> 7; "The sum of 3 and 4 is" -> None (cut off before an
+    answer: crediting its 4 would pay a model for echoing the question). The operands go only as a
+    pair, in either order, so "4" answers "0 + 4" and "0 + 4 = 4" keeps its second 4.
+    """
+    numbers = [int(n) for n in _NUMBER.findall(reply)] if isinstance(reply, str) else []
+    for first, second in ((a, b), (b, a)):
+        if first in numbers and second in numbers[numbers.index(first) + 1:]:
+            i = numbers.index(first)
+            j = numbers.index(second, i + 1)
+            numbers = numbers[:i] + numbers[i + 1:j] + numbers[j + 1:]
+            break
+    return numbers[-1] if numbers else None
 
 
 class AdditionChatEnv(AdditionEnv):
     """`AdditionEnv`'s question; the reply's last number is its answer (`addition_chat_reward`)."""
 
     def step(self, reply: str) -> StepResult:
-        return StepResult(messages=[], reward=addition_chat_reward(reply, self.answer), done=True)
+        return StepResult(messages=[], reward=addition_chat_reward(reply, self.a, self.b), done=True)
 
 
 ADDITION_CHAT = Task("addition_chat", f"single turn: add two numbers from 0..{ADDITION_MAX_OPERAND}, answer in "

@@ -51,7 +51,9 @@
 #               (its rows replace only pipelined ones): run it in the device call after stepbench (<= 30 s
 #               apart, so the host stays warm) and $OUT/step.csv has sync, pipelined and TRL rows
 #   step-profile  tools/gpu/step_profile.py on SGLang, RunConfig defaults, 6 steps (PROFILE_STEPS) of 16 x 8 with 8
-#               new tokens on the shipped tiny model (PROFILE_MODEL: another model dir): every round trip per step by
+#               new tokens on the shipped tiny model (PROFILE_MODEL: another model dir, PROFILE_TASK: another task,
+#               PROFILE_TOKENS: other new tokens; the step benchmark's job on SmolLM2 is PROFILE_MODEL=$SMOL
+#               PROFILE_TASK=addition_chat: `addition` pays SmolLM2 nothing and skips its updates): every round trip per step by
 #               endpoint, server vs kernel time, the top 5 costs that are neither decoding nor training (issue 26),
 #               $OUT/step_profile.json
 #   adopt       tools/gpu/adopt_time.py on SGLang, RunConfig defaults: a kernel starts a run and takes one step, is
@@ -122,7 +124,7 @@ for p in "$@"; do
                  [[ -f $OUT/step.csv ]] && cp "$OUT/step.csv" /tmp/step.csv
                  grep -E 'artsg_nb|trl|ratio|x TRL|speed|replacing' "$OUT/$p.log" | tail -14 | cut -c1-220 | sed 's/^/    /' ;;
     step-profile) phase step-profile 300 bash -c "rm -rf /tmp/runs/step-profile && python3 tools/gpu/step_profile.py --engine sglang \
-                   --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens 8 ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} \
+                   --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens ${PROFILE_TOKENS:-8} ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} ${PROFILE_TASK:+--task $PROFILE_TASK} \
                    --run-dir /tmp/runs/step-profile --out $OUT/step_profile.json"
                  sed -n '/^summary over steps/,$p' "$OUT/step-profile.log" | head -40 | cut -c1-200 | sed 's/^/    /' ;;
     adopt)       phase adopt 560 python3 tools/gpu/adopt_time.py --engine sglang ${ADOPT_MODEL:+--model-path $ADOPT_MODEL} \

@@ -52,14 +52,14 @@
 #               apart, so the host stays warm) and $OUT/step.csv has sync, pipelined and TRL rows
 #   step-profile  tools/gpu/step_profile.py on SGLang, RunConfig defaults, 6 steps (PROFILE_STEPS) of 16 x 8 with 8
 #               new tokens on the shipped tiny model (PROFILE_MODEL: another model dir, PROFILE_TASK: another task,
-#               PROFILE_TOKENS: other new tokens; the step benchmark's job on SmolLM2 is PROFILE_MODEL=$SMOL
+#               PROFILE_TOKENS: other new tokens; the step benchmark's job on SmolLM2 is PROFILE_MODEL=/tmp/models/smollm2
 #               PROFILE_TASK=addition_chat: `addition` pays SmolLM2 nothing and skips its updates): every round trip per step by
 #               endpoint, server vs kernel time, the top 5 costs that are neither decoding nor training (issue 26),
 #               $OUT/step_profile.json
 #   adopt       tools/gpu/adopt_time.py on SGLang, RunConfig defaults: a kernel starts a run and takes one step, is
 #               SIGKILLed, and a new kernel re-runs the cells with resume=True, adopting the live server; start_s of
 #               both, the trainer's build (warm-up in it) and the first step (issue 26 item 4: reused in <= 10 s).
-#               ADOPT_MODEL: another model dir (SmolLM2: $SMOL). $OUT/adopt.json, one PASS/FAIL adopt line
+#               ADOPT_MODEL: another model dir (SmolLM2: /tmp/models/smollm2). $OUT/adopt.json, one PASS/FAIL adopt line
 #   art-ids     tools/gpu/art_ids.py on SGLang: an art.TrainableModel registered with SGLangBackend, 16 chat
 #               completions through model.openai_client(); PASS when every choice carried the server's token ids
 #               and every trajectory used exactly them (issue 27; needs the art, art-polars, web and kernel sets)

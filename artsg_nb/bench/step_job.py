@@ -10,6 +10,7 @@ What it does not do: run a leg (step.py runs artsg_nb's and orchestrates; step_t
 """
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 from dataclasses import dataclass, field
@@ -139,8 +140,13 @@ def _first(xs) -> float:
 
 @cache
 def source_commit() -> str:
-    """The short git commit of the checkout this package runs from, "-dirty" appended when a
-    tracked file differs from it; "" when it is no git checkout or git is missing."""
+    """The commit under test: `$ARTSG_COMMIT` when set (a GPU host's copy of the tree carries a
+    stale `.git`, so the device command names the commit it runs), else the short git commit of
+    the checkout this package runs from, "-dirty" appended when a tracked file differs from it;
+    "" when it is no git checkout or git is missing."""
+    if os.environ.get("ARTSG_COMMIT"):
+        return os.environ["ARTSG_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
                               timeout=30, check=True).stdout.strip()

@@ -131,6 +131,7 @@ def test_run_step_bench_merges_calls_into_one_csv_and_logs_what_it_replaced(tmp_
 
 
 def test_commit_names_the_checkout_and_never_fails(monkeypatch):
+    monkeypatch.delenv("ARTSG_COMMIT", raising=False)
     step_job.source_commit.cache_clear()
     try:
         commit = step_job.source_commit()
@@ -140,6 +141,16 @@ def test_commit_names_the_checkout_and_never_fails(monkeypatch):
         step_job.source_commit.cache_clear()
         monkeypatch.setenv("PATH", "")  # no git at all
         assert step_job.source_commit() == ""
+    finally:
+        step_job.source_commit.cache_clear()
+
+
+def test_commit_is_the_one_the_device_command_names(monkeypatch):
+    """A GPU host's copy of the tree has a stale .git: the commit the command names wins."""
+    step_job.source_commit.cache_clear()
+    monkeypatch.setenv("ARTSG_COMMIT", "abc1234")
+    try:
+        assert step_job.source_commit() == "abc1234"
     finally:
         step_job.source_commit.cache_clear()
 

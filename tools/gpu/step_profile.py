@@ -40,7 +40,14 @@ and their seconds, the share of the step that is server time vs kernel time, and
 that are neither decoding nor training. Everything goes to --out as JSON (replaced whole after
 each step, so a run cut short keeps what it measured and never a half-written file).
 
-What it does not do: look inside the server (its scheduler's time is the requests' time here),
+  server     what the server's own /metrics say moved over the step (read before and after it, outside
+             its wall time): per histogram (time to first token, end-to-end latency, queue time, each
+             request stage of SGLang's `per_stage_req_latency_seconds`, ...) the observations and their
+             mean, and the counters of forward passes by kind (CUDA graph or not, GPU busy seconds by
+             forward mode), to say how much of a rollout the server spends queueing, prefilling,
+             decoding or in its HTTP front end
+
+What it does not do: trace inside the server's processes (its /metrics are the only view),
 change what a step does (the wrappers only time; the run is the one a notebook runs), or profile
 the vLLM dialect's routes by kind (its requests are counted by path only). A request's time
 includes any moment the kernel was busy while its answer waited (the stalls say how much). The
@@ -468,6 +475,7 @@ def summarise(steps: list[dict]) -> dict:
             "round_trips": sum(v["n"] for v in per_ep.values()), "endpoints": per_ep, "parts": parts,
             "top_non_decoding": [{"what": k, "s": v, "share": v / wall if wall else None} for v, k in costs[:5]],
             "unexplained_stall_s": mean([s["stalls"]["unexplained_s"] for s in steady]),
+            "server": server_means(steady),
             "training": training_summary(steady)}
 
 
@@ -491,6 +499,69 @@ def training_summary(steps: list[dict]) -> dict | None:
     return {"per_step": [{k: r[k] for k in ("train_s", "sequences", "width", "tokens", "shapes", "new_shape",
                                             "s_per_1k_padded")} for r in rows],
             **split, "gc_s": sum(r["gc"]["s"] for r in rows), "counters": dict(counters)}
+
+
+# ---- the server's own view ---------------------------------------------------------------------------
+SERVER_COUNTERS = ("forward_execution_seconds_total", "cuda_graph_passes_total", "num_requests_total",
+                   "generation_tokens_total", "prompt_tokens_total", "cached_tokens_total")
+
+
+def server_series(text: str) -> dict[str, float]:
+    """Histogram sums/counts and a few counters of a /metrics text, keyed "name{labels}:sum|count"
+    (the labels that vary: stage, mode, category; the model name is left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        short = fam.name.split(":", 1)[-1]
+        for smp in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items())
+                              if k in ("stage", "mode", "category"))
+            key = f"{short}{{{labels}}}" if labels else short
+            if fam.type == "histogram" and smp.name.endswith(("_sum", "_count")):
+                out[f"{key}:{smp.name.rsplit('_', 1)[1]}"] = out.get(f"{key}:{smp.name.rsplit('_', 1)[1]}", 0.0) + smp.value
+            elif fam.type == "counter" and any(short.startswith(c.removesuffix("_total")) for c in SERVER_COUNTERS) \
+                    and smp.name.endswith("_total"):
+                out[f"{key}:total"] = out.get(f"{key}:total", 0.0) + smp.value
+    return out
+
+
+def server_delta(before: str, after: str) -> dict[str, dict]:
+    """What moved between two /metrics texts: per histogram its observations, their sum and mean;
+    per counter its increase."""
+    a, b = server_series(before), server_series(after)
+    moved: dict[str, dict] = {}
+    for key, value in b.items():
+        name, kind = key.rsplit(":", 1)
+        d = value - a.get(key, 0.0)
+        if d:
+            moved.setdefault(name, {})["n" if kind == "count" else "s" if kind == "sum" else "total"] = d
+    for v in moved.values():
+        if v.get("n"):
+            v["mean_s"] = v.get("s", 0.0) / v["n"]
+    return dict(sorted(moved.items()))
+
+
+def server_means(steps: list[dict]) -> dict[str, dict]:
+    """Per step, the mean of each server series that moved (server_delta), over `steps`."""
+    keys = sorted({k for s in steps for k in s.get("server", {})})
+    out = {}
+    for k in keys:
+        rows = [s.get("server", {}).get(k, {}) for s in steps]
+        out[k] = {f: statistics.fmean(r.get(f, 0.0) for r in rows) for f in ("n", "s", "total") if any(f in r for r in rows)}
+        if out[k].get("n"):
+            out[k]["mean_s"] = out[k].get("s", 0.0) / out[k]["n"]
+    return out
+
+
+def print_server(delta: dict[str, dict]) -> None:
+    if not delta:
+        return
+    print(f"  {'server /metrics over the step':<60} {'n':>6} {'sum s':>8} {'mean ms':>8}")
+    for k, v in delta.items():
+        if "n" in v:
+            print(f"  {k[:60]:<60} {v['n']:6.0f} {v.get('s', 0.0):8.3f} {1e3 * v.get('mean_s', 0.0):8.2f}")
+        else:
+            print(f"  {k[:60]:<60} {v['total']:>6.3g}")
 
 
 # ---- printing ------------------------------------------------------------------------------------
@@ -544,6 +615,7 @@ def print_summary(sm: dict) -> None:
     print("  top 5 costs that are neither decoding nor training:")
     for i, c in enumerate(sm["top_non_decoding"], 1):
         print(f"    {i}. {c['what']}: {c['s']:.3f} s/step ({100 * (c['share'] or 0):.1f} %)")
+    print_server(sm.get("server") or {})
     tr = sm.get("training")
     if tr:
         f = lambda v, unit="s": "-" if v is None else f"{v:.4f} {unit}"  # noqa: E731
@@ -572,12 +644,15 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
         with instrument_run(run, rec):
             for n in range(1, steps + 1):
                 instrument_client(run.client, rec)  # a restarted server comes with a new client
+                before = await server_text(run)
                 rec.take()
                 t0 = time.perf_counter()
                 row = await run.step()
                 t1 = time.perf_counter()
                 s = analyse_step(n, t0, t1, row, *rec.take())
+                s["server"] = server_delta(before, await server_text(run))  # its request is dropped by take()
                 print_step(s)
+                print_server(s["server"])
                 record["steps"].append(s)
                 record["summary"] = summarise(record["steps"])
                 save()
@@ -591,6 +666,15 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
     if out:
         print(f"\nwritten: {out}")
     return record
+
+
+async def server_text(run) -> str:
+    """The server's /metrics ("" when it has none, or they cannot be read)."""
+    try:
+        return await run.client.metrics_text()
+    except Exception as e:  # noqa: BLE001 — a profile goes on without the server's view
+        print(f"  (no server /metrics: {e})")
+        return ""
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -56,6 +56,10 @@
 #               PROFILE_TASK=addition_chat: `addition` pays SmolLM2 nothing and skips its updates): every round trip per step by
 #               endpoint, server vs kernel time, the top 5 costs that are neither decoding nor training (issue 26),
 #               $OUT/step_profile.json
+#   batch-shapes  tools/gpu/batch_shapes.py on SGLang: a step's turn-1 requests under a trained adapter sent per
+#               group (today's warm-up + batch each), as one warm-up batch + one batch, as one cold batch, as
+#               singles; wall, hit rate and the server's latency histograms per shape (SmolLM2 when built, else
+#               the tiny model; SHAPES_TOKENS new tokens, default 8), $OUT/batch_shapes.json
 #   adopt       tools/gpu/adopt_time.py on SGLang, RunConfig defaults: a kernel starts a run and takes one step, is
 #               SIGKILLed, and a new kernel re-runs the cells with resume=True, adopting the live server; start_s of
 #               both, the trainer's build (warm-up in it) and the first step (issue 26 item 4: reused in <= 10 s).
@@ -126,7 +130,10 @@ for p in "$@"; do
     step-profile) phase step-profile 300 bash -c "rm -rf /tmp/runs/step-profile && python3 tools/gpu/step_profile.py --engine sglang \
                    --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens ${PROFILE_TOKENS:-8} ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} ${PROFILE_TASK:+--task $PROFILE_TASK} \
                    --run-dir /tmp/runs/step-profile --out $OUT/step_profile.json"
-                 sed -n '/^summary over steps/,$p' "$OUT/step-profile.log" | head -40 | cut -c1-200 | sed 's/^/    /' ;;
+                 sed -n '/^summary over steps/,$p' "$OUT/step-profile.log" | head -70 | cut -c1-200 | sed 's/^/    /' ;;
+    batch-shapes) phase batch-shapes 300 python3 tools/gpu/batch_shapes.py --max-new-tokens ${SHAPES_TOKENS:-8} \
+                   $([[ -d $SMOL ]] && echo --model-path $SMOL) --run-dir /tmp/runs/batch-shapes --out "$OUT/batch_shapes.json"
+                 grep -E '^wall medians' "$OUT/batch-shapes.log" | cut -c1-300 | sed 's/^/    /' ;;
     adopt)       phase adopt 560 python3 tools/gpu/adopt_time.py --engine sglang ${ADOPT_MODEL:+--model-path $ADOPT_MODEL} \
                    --run-dir /tmp/runs/adopt --timeout-s 270 --out "$OUT/adopt.json"
                  grep -E '^(cold|adopted|PASS|FAIL) ' "$OUT/adopt.log" | cut -c1-200 | sed 's/^/    /' ;;

@@ -207,3 +207,32 @@ def test_a_step_returns_while_its_checkpoint_is_written_and_it_lands_after(tiny_
         assert "policy-step-0" not in kept and "policy-step-2" in kept and kept <= {"policy-step-1", "policy-step-2"}
         run.trainer.wait_for_checkpoint()
         assert latest_checkpoint(run.run_dir / "adapters", 2).step == 2
+
+
+# ---- host copies: one transfer per device and dtype ------------------------------------------
+def test_host_copies_are_separate_tensors_of_the_same_values_that_safetensors_writes(tmp_path):
+    from safetensors.torch import load_file, save_file
+    src = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
+           "step": torch.tensor(7.0), "c": torch.arange(3.0).reshape(3, 1).t()}  # a non-contiguous one
+    copies = checkpoint_module.host_copies(src)
+    assert list(copies) == list(src)
+    for k, v in src.items():
+        assert copies[k].device.type == "cpu" and copies[k].dtype == v.dtype and copies[k].shape == v.shape
+        assert torch.equal(copies[k], v)
+    for v in src.values():
+        v.add_(100)  # the snapshot does not move with its source
+    assert copies["a"][0, 0] == 0 and copies["step"] == 7 and copies["b"][0] == 1
+    save_file(copies, str(tmp_path / "x.safetensors"))
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert all(torch.equal(back[k], copies[k]) for k in copies)
+
+
+def test_the_saved_adapter_holds_peft_state_dict(make_trainer, tmp_path):
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+    tr = make_trainer(warm_up=False)
+    tr.train_step(_groups())
+    tr.save_adapter(tmp_path / "v")
+    saved = load_file(str(tmp_path / "v" / "adapter_model.safetensors"))
+    state = get_peft_model_state_dict(tr.model)
+    assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)

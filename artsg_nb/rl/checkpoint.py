@@ -77,17 +77,34 @@ def read_checkpoint_file(file: Path, read, version: Path):
             "continues from the newest complete checkpoint before it), or start a new run directory.") from e
 
 
+def host_copies(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor copied into CPU memory (a copy on a CPU trainer too: a snapshot must not move
+    with the next optimizer step), in one transfer per device and dtype: a LoRA adapter is
+    hundreds of small tensors, and copied one by one from a GPU each paid a synchronous transfer
+    (SmolLM2 r16, 420 tensors: 84 ms for the adapter alone on an H100, 2026-12-06). The copies
+    are views of one buffer; safetensors writes them as separate tensors."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in named.items():
+        groups.setdefault((tensor.device, tensor.dtype), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for names in groups.values():
+        parts = [named[n].detach().reshape(-1) for n in names]
+        flat = torch.cat(parts).to("cpu")  # torch.cat copies: a CPU tensor is copied too
+        for name, piece in zip(names, torch.split(flat, [p.numel() for p in parts])):
+            out[name] = piece.view(named[name].shape)
+    return {name: out[name] for name in named}
+
+
 def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     sd = opt.state_dict()
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                # a copy even on a CPU trainer: the snapshot must not move with the next optimizer step
-                tensors[f"state.{pid}.{k}"] = v.detach().to("cpu", copy=True).contiguous()
+                tensors[f"state.{pid}.{k}"] = v
             else:
                 scalars[f"{pid}.{k}"] = v
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    return host_copies(tensors), {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
 def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:

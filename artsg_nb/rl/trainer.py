@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 # (trainer._load_unsloth). Importing artsg_nb.run.session therefore imports none of them.
 from ..rollout.trajectory import is_trainable
 from .checkpoint import (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE, CheckpointError, CheckpointSnapshot,
-                         CheckpointWriter, checkpoint_dir, optimizer_from_tensors, optimizer_to_tensors,
+                         CheckpointWriter, checkpoint_dir, host_copies, optimizer_from_tensors, optimizer_to_tensors,
                          read_checkpoint_file, write_checkpoint)
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
 from .logprobs import fusable, fused_kernel, text_config, token_logprobs
@@ -428,8 +428,7 @@ class Trainer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         state = get_peft_model_state_dict(self.model)
-        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(path / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(host_copies(state), str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = self.model.peft_config["default"]
         inference_mode, config.inference_mode = config.inference_mode, True  # as save_pretrained writes it
         try:

@@ -46,6 +46,7 @@ from typing import Iterable
 
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, saver_problem)
+from .batching import GenerateBatcher
 from .errors import AdapterExistsError, EngineError, MemorySaverError
 from .spec import EngineSpec, RawDialect, key_launcher
 
@@ -90,10 +91,13 @@ class SGLangClient(EngineClient):
 
     n > 1 under an adapter, on a server with the reference-counting bug (`lora_n_problem`), goes
     out as SGLang itself would send it — a prefill-only warm-up that caches the prompt, then the n
-    samples together — but as two requests whose references balance: the warm-up is a plain n = 1
-    request, and the n samples are one batch request of n copies of the prompt (n = 1 each, sample
-    j seeded seed + j as native n does). Same samples, same prefix hits, one extra round trip.
-    Behind sglang-router (which takes no per-sample list) the n samples go as n single requests."""
+    samples together — but as requests whose references balance: the warm-up is a plain n = 1
+    request, and the n samples are n copies of the prompt (n = 1 each, sample j seeded seed + j as
+    native n does). Same samples, same prefix hits.
+
+    Single-prompt requests made in one event-loop tick go as one batch request (batching.py): a
+    step's groups send one warm-up batch, then one batch of every sample. Behind sglang-router
+    (which takes no per-sample list) every request goes alone."""
 
     engine = "sglang"
     lora_n_problem = staticmethod(lora_n_problem)
@@ -137,25 +141,52 @@ class SGLangClient(EngineClient):
     async def _generate(self, input_ids, params, adapter) -> list[Generation]:
         if params.n > 1 and adapter is not None and await self.native_n_problem():
             return await self._generate_balanced(input_ids, params, adapter)
-        resp = await self._request("POST", "/generate", "use" if adapter else "other",
-                                   json=self._generate_payload(input_ids, params, adapter))
-        body = resp.json()
+        payload = self._generate_payload(input_ids, params, adapter)
+        body = await (self._post_one(payload) if params.n == 1 else self._post_generate(payload))
         # One prompt with n > 1 comes back as a list of n objects, n == 1 as one object.
         return [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
 
     async def _generate_balanced(self, input_ids, params, adapter) -> list[Generation]:
-        """n samples as a warm-up (n = 1, no new tokens) then a batch of n single samples (see the class)."""
+        """n samples as a warm-up (n = 1, no new tokens) then n single samples (see the class),
+        which the batcher sends together with the other groups' of this tick."""
         warm_up = self._generate_payload(input_ids, replace(params, n=1, max_new_tokens=0, seed=None), adapter)
-        await self._request("POST", "/generate", "use", json={**warm_up, "return_logprob": False})
+        await self._post_one({**warm_up, "return_logprob": False})
         seeds = [None if params.seed is None else params.seed + j for j in range(params.n)]
         singles = [self._generate_payload(input_ids, replace(params, n=1, seed=seed), adapter) for seed in seeds]
-        if self._routed:  # sglang-router 0.3 takes no per-sample sampling_params list
-            bodies = await asyncio.gather(*(self._request("POST", "/generate", "use", json=p) for p in singles))
-            return [self._parse_sample(b.json()) for b in bodies]
-        payload = {"input_ids": [list(input_ids)] * params.n, "sampling_params": [p["sampling_params"] for p in singles],
-                   "return_logprob": True, "lora_path": adapter}
-        body = (await self._request("POST", "/generate", "use", json=payload)).json()
-        return [self._parse_sample(obj) for obj in body]
+        batcher = self._batcher_here()
+        if batcher is not None:
+            bodies = await asyncio.gather(*(batcher.submit(p) for p in singles))
+        elif self._routed:  # sglang-router 0.3 takes no per-sample sampling_params list
+            bodies = await asyncio.gather(*(self._post_generate(p) for p in singles))
+        else:
+            payload = {"input_ids": [list(input_ids)] * params.n,
+                       "sampling_params": [p["sampling_params"] for p in singles], "return_logprob": True,
+                       "lora_path": adapter}
+            bodies = await self._post_generate(payload)
+        return [self._parse_sample(obj) for obj in bodies]
+
+    # ---- /generate, batched across the requests of one event-loop tick (engines/batching.py) ----
+    batch_requests = True
+    """Send the single-prompt /generate requests made in one event-loop tick as one batch request
+    (not behind sglang-router, which takes no per-prompt lists)."""
+    _batcher: GenerateBatcher | None = None
+
+    def _batcher_here(self) -> GenerateBatcher | None:
+        """This event loop's batcher; None when requests go one by one."""
+        if not self.batch_requests or self._routed or self.info_source is not None:
+            return None
+        if self._batcher is None or self._batcher.loop is not asyncio.get_running_loop():
+            self._batcher = GenerateBatcher(self._post_generate)
+        return self._batcher
+
+    async def _post_one(self, payload: dict) -> dict:
+        """One single-prompt /generate payload's answer, through the batcher when there is one."""
+        batcher = self._batcher_here()
+        return await (batcher.submit(payload) if batcher is not None else self._post_generate(payload))
+
+    async def _post_generate(self, payload: dict):
+        op = "use" if payload.get("lora_path") else "other"
+        return (await self._request("POST", "/generate", op, json=payload)).json()
 
     async def _generate_streamed(self, input_ids, params, adapter, signal) -> list[Generation]:
         if params.n > 1 and adapter is not None and await self.native_n_problem():

@@ -18,7 +18,8 @@ import torch
 
 from artsg_nb.rl import checkpoint as checkpoint_module
 from artsg_nb.rl.trainer import WARM_UP_SHAPES, Trainer, TrainerConfig
-from artsg_nb.rl.lora import latest_checkpoint
+from artsg_nb.rl import lora as lora_module
+from artsg_nb.rl.lora import latest_checkpoint, load_version
 from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
@@ -202,11 +203,39 @@ def test_a_step_returns_while_its_checkpoint_is_written_and_it_lands_after(tiny_
         run.trainer.wait_for_checkpoint()
         assert checkpoint_module.is_complete(version)
         assert (version / "trainer" / "optimizer.safetensors").exists()
+        assert load_version(run.run_dir / "adapters", row["step"]).sha256  # sealed before the checkpoint
         asyncio.run(run.step())  # step 1's write is done now: step 0 is no longer needed and goes
         kept = {p.name for p in (run.run_dir / "adapters").glob("policy-step-*")}
         assert "policy-step-0" not in kept and "policy-step-2" in kept and kept <= {"policy-step-1", "policy-step-2"}
         run.trainer.wait_for_checkpoint()
         assert latest_checkpoint(run.run_dir / "adapters", 2).step == 2
+
+
+def test_a_seal_that_fails_for_want_of_disk_leaves_the_version_served_and_not_resumable(
+        tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """The adapter's checksum and flush run in the checkpoint writer's thread; a full disk there is a
+    failed checkpoint (logged, the run goes on serving the adapter), never a version that a resume
+    would take without its checksum."""
+    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
+                    group_size=4, groups_per_step=2, verify_adapter=False, verbose=False)
+
+    def disk_full(folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with GRPORun(cfg) as run:
+        monkeypatch.setattr(lora_module, "_write_checksum", disk_full)
+        with caplog.at_level(logging.WARNING, logger="artsg_nb.rl.checkpoint"):
+            row = asyncio.run(run.step())
+            run.trainer.wait_for_checkpoint()
+        version = run.run_dir / "adapters" / f"policy-step-{row['step']}"
+        assert run.adapter == version.name and (version / "adapter_model.safetensors").exists()
+        assert "could not be written" in caplog.text and "No space left" in caplog.text
+        assert not checkpoint_module.is_complete(version) and not (version / "sha256.txt").exists()
+        assert latest_checkpoint(run.run_dir / "adapters", row["step"]).step == 0
+        monkeypatch.undo()
+        row = asyncio.run(run.step())  # space again: the next version is sealed and complete
+        run.trainer.wait_for_checkpoint()
+        assert latest_checkpoint(run.run_dir / "adapters", row["step"]).step == row["step"]
 
 
 # ---- host copies: one transfer per device and dtype ------------------------------------------

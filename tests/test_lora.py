@@ -5,7 +5,7 @@ import errno
 import pytest
 
 from artsg_nb.rl.lora import (AdapterMismatchError, AdapterPublisher, AdapterSaveError, check_inside,
-                           load_version, save_adapter_atomic)
+                           load_version, save_adapter_atomic, seal_version)
 
 
 def _fake_save(tmp):
@@ -20,6 +20,19 @@ def test_save_is_atomic_and_checksummed(tmp_path):
     assert (v.path / "sha256.txt").read_text().strip() == v.sha256
     assert load_version(tmp_path / "adapters", 3).sha256 == v.sha256
     assert not [p for p in (tmp_path / "adapters").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_version_saved_for_the_server_first_is_checksummed_when_sealed(tmp_path):
+    """durable=False (the step's reload): the files under the final name at once, the checksum and
+    the flush to disk later (seal_version, in the checkpoint writer's thread); until then the version
+    is not complete for a resume."""
+    v = save_adapter_atomic(_fake_save, tmp_path / "adapters", 4, durable=False)
+    assert (v.path / "adapter_model.safetensors").read_bytes() == b"weights" and v.sha256 is None
+    assert not (v.path / "sha256.txt").exists()
+    with pytest.raises(AdapterSaveError, match="not a complete adapter"):
+        load_version(tmp_path / "adapters", 4)
+    seal_version(v)
+    assert v.sha256 and load_version(tmp_path / "adapters", 4).sha256 == v.sha256
 
 
 def test_disk_error_leaves_no_adapter_behind(tmp_path):

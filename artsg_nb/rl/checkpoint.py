@@ -29,6 +29,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -140,6 +141,12 @@ def write_checkpoint(snapshot: CheckpointSnapshot, version: str | Path) -> None:
     write_atomic(folder / STATE_FILE, json.dumps(snapshot.state), durable=True)
 
 
+def _write_after(before: Callable[[], None] | None, snapshot: CheckpointSnapshot, version: str | Path) -> None:
+    if before is not None:
+        before()
+    write_checkpoint(snapshot, version)
+
+
 class CheckpointWriter:
     """Writes one trainer's checkpoints in a background thread, one at a time (module docstring)."""
 
@@ -150,13 +157,16 @@ class CheckpointWriter:
         self.failed: Path | None = None
         """The version folder whose checkpoint could not be written (its snapshot is kept)."""
 
-    def submit(self, snapshot: CheckpointSnapshot, version: str | Path) -> None:
-        """Write `snapshot` into `version` in the background, after the write before it."""
+    def submit(self, snapshot: CheckpointSnapshot, version: str | Path, before: Callable[[], None] | None = None) -> None:
+        """Write `snapshot` into `version` in the background, after the write before it; `before()`
+        first, in the same thread (the adapter's checksum and flush to disk: lora.seal_version), so
+        the checkpoint is complete only once that is done. `before` failing for want of disk counts
+        as a failed write."""
         self.wait()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-checkpoint")
         self._newest, self.failed = (Path(version), snapshot), None
-        self._pending = self._pool.submit(write_checkpoint, snapshot, version)
+        self._pending = self._pool.submit(_write_after, before, snapshot, version)
 
     def wait(self) -> None:
         """Block until the newest checkpoint is on disk. A write that failed for want of disk is

@@ -45,8 +45,9 @@ class AdapterVersion:
     """Final directory (inside the run directory)."""
     step: int
     """GRPO steps applied to it."""
-    sha256: str
-    """Checksum of adapter_model.safetensors, stored in `sha256.txt` beside it."""
+    sha256: str | None
+    """Checksum of adapter_model.safetensors, stored in `sha256.txt` beside it; None for a version
+    saved with durable=False until `seal_version` has run."""
 
 
 class AdapterSaveError(RuntimeError):
@@ -69,8 +70,13 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> AdapterVersion:
-    """`save_fn(tmp_dir)` writes a PEFT adapter; publish it as `policy-step-<step>` by rename."""
+def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int, durable: bool = True) -> AdapterVersion:
+    """`save_fn(tmp_dir)` writes a PEFT adapter; publish it as `policy-step-<step>` by rename.
+
+    durable=False leaves the checksum and the flush to disk to `seal_version`, which the step runs
+    off its critical path (the trainer's checkpoint writer, before the checkpoint): the server reads
+    the files from the page cache either way, and a version counts for a resume only once its
+    checkpoint is complete, which is written after the seal (lora.latest_checkpoint)."""
     adapters_dir = Path(adapters_dir)
     final = adapters_dir / adapter_name(step)
     tmp = adapters_dir / f".tmp-{adapter_name(step)}-{uuid.uuid4().hex[:8]}"
@@ -79,13 +85,12 @@ def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> Adapter
         save_fn(tmp)
         if not (tmp / ADAPTER_FILE).exists():
             raise AdapterSaveError(f"the trainer wrote no {ADAPTER_FILE} into {tmp}")
-        digest = file_sha256(tmp / ADAPTER_FILE)
-        (tmp / "sha256.txt").write_text(digest + "\n")
-        fsync_path(tmp)
+        digest = _write_checksum(tmp) if durable else None
         if final.exists():  # a re-run of a step after a crash: replace the stale copy
             shutil.rmtree(final)
         os.rename(tmp, final)
-        fsync_path(adapters_dir)
+        if durable:
+            fsync_path(adapters_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written version behind
         # safetensors reports a failed write (disk full) as SafetensorError, not OSError.
@@ -96,6 +101,26 @@ def save_adapter_atomic(save_fn, adapters_dir: str | Path, step: int) -> Adapter
             "Free disk space or point run_dir at a writable disk; the previous adapter is still served."
         ) from e
     return AdapterVersion(adapter_name(step), final, step, digest)
+
+
+def seal_version(version: AdapterVersion) -> None:
+    """What save_adapter_atomic(durable=False) left out: the checksum file, and the version's files
+    and its rename flushed to disk. Raises OSError (a full disk); the checkpoint writer keeps it
+    off the step's critical path (rl/checkpoint.CheckpointWriter)."""
+    version.sha256 = _write_checksum(version.path)
+    fsync_path(version.path.parent)
+
+
+def _write_checksum(folder: Path) -> str:
+    """sha256 of the folder's adapter file into sha256.txt, every file of the folder and the
+    folder itself flushed to disk; the digest."""
+    digest = file_sha256(folder / ADAPTER_FILE)
+    (folder / "sha256.txt").write_text(digest + "\n")
+    for file in folder.iterdir():
+        if file.is_file():
+            fsync_path(file)
+    fsync_path(folder)
+    return digest
 
 
 def remove_stale_tmp(adapters_dir: str | Path, older_than_s: float = STALE_TMP_S) -> list[str]:

@@ -24,6 +24,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -436,18 +437,20 @@ class Trainer:
         finally:
             config.inference_mode = inference_mode
 
-    def save_checkpoint(self, path: str | Path, wait: bool = True) -> None:
+    def save_checkpoint(self, path: str | Path, wait: bool = True, before: Callable[[], None] | None = None) -> None:
         """Optimizer state, step and RNG into the `trainer/` folder of the version folder `path`
-        (the adapter's; rl/checkpoint.py says why a folder of its own). wait=False:
-        copied now (milliseconds), written by a background thread while the caller goes on
-        (checkpoint.CheckpointWriter); `wait_for_checkpoint`, `load_checkpoint` and `close` wait
-        for it."""
+        (the adapter's; rl/checkpoint.py says why a folder of its own), after `before()` (the
+        adapter's seal: lora.seal_version). wait=False: copied now (milliseconds), written by a
+        background thread while the caller goes on (checkpoint.CheckpointWriter);
+        `wait_for_checkpoint`, `load_checkpoint` and `close` wait for it."""
         snapshot = self.checkpoint_snapshot()
         if wait:
             self.checkpoints.wait()  # in order: an earlier background write first
+            if before is not None:
+                before()
             write_checkpoint(snapshot, path)
         else:
-            self.checkpoints.submit(snapshot, path)
+            self.checkpoints.submit(snapshot, path, before)
 
     def checkpoint_snapshot(self) -> CheckpointSnapshot:
         """What `save_checkpoint` writes, copied into CPU memory now."""

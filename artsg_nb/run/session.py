@@ -35,7 +35,8 @@ from ..rl.export import export_adapter, export_merged
 from ..serving.gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from .history import History, step_row
 from ..rl.lora import (AdapterPublisher, AdapterSaveError, AdapterVersion, MaskedScorer, latest_checkpoint,
-                       probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic)
+                       probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic,
+                       seal_version)
 from ..serving.metrics import HitRateTracker, cache_counters, hit_rate
 from ..models.pretrained import base_model_id, built_model_dir
 from .pipeline import SampleAhead
@@ -409,11 +410,13 @@ class GRPORun:
 
     def _save_served(self) -> AdapterVersion:
         """The trained adapter as a new version, its checkpoint written in the background: the
-        server needs only the adapter, so the optimizer state (twice its size) goes to disk while
-        the step reloads and the next one rolls out (rl/checkpoint.CheckpointWriter). Until then
-        the version has no trainer_state.json and a resume starts from the one before."""
-        version = save_adapter_atomic(self.trainer.save_adapter, self.run_dir / "adapters", self.trainer.step)
-        self.trainer.save_checkpoint(version.path, wait=False)
+        server needs only the adapter, so its checksum and flush to disk (lora.seal_version) and
+        the optimizer state (twice its size) go to disk while the step reloads and the next one
+        rolls out (rl/checkpoint.CheckpointWriter). Until then the version has no
+        trainer_state.json and a resume starts from the one before."""
+        version = save_adapter_atomic(self.trainer.save_adapter, self.run_dir / "adapters", self.trainer.step,
+                                      durable=False)
+        self.trainer.save_checkpoint(version.path, wait=False, before=lambda: seal_version(version))
         return version
 
     def _seeds(self, step: int) -> list[int]:

@@ -172,6 +172,10 @@ def test_addition_chat_reads_the_replys_last_number():
     assert addition_chat_reward("4", 0, 4) == 1.0
     assert addition_chat_reward("0 + 4 = 4", 0, 4) == 1.0
     assert addition_chat_reward("0 + 4 =", 0, 4) == 0.0
+    # a question restated twice, and cut off: neither restatement is an answer
+    assert env.step(f"{a} + {b} = {a} + {b}").reward == 0.0
+    assert env.step(f"{a} + {b}? Well, {b} + {a}").reward == 0.0
+    assert addition_chat_reward("3 + 4 = 3 + 4 = 7", 3, 4) == 1.0
     # the prompts are addition's: a benchmark on either task asks the same questions
     assert get_task("addition_chat").make_env(11).reset() == get_task("addition").make_env(11).reset()
     assert get_task("addition_chat").teacher is None  # not in the tiny model's pretraining

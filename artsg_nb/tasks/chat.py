@@ -29,20 +29,22 @@ def addition_chat_reward(reply: str, a: int, b: int) -> float:
 
 
 def reply_answer(reply: str, a: int, b: int) -> int | None:
-    """The reply's last number once a restated question's operands are set aside.
+    """The reply's last number once every restatement of the question's operands is set aside.
 
     "3 + 4 = 7." -> 7; "7, as 3 + 4 makes" -> 7; "The sum of 3 and 4 is" -> None (cut off before an
-    answer: crediting its 4 would pay a model for echoing the question). The operands go only as a
-    pair, in either order, so "4" answers "0 + 4" and "0 + 4 = 4" keeps its second 4.
+    answer: crediting its 4 would pay a model for echoing the question); "3 + 4 = 3 + 4" -> None.
+    The operands go only as neighbouring numbers, in either order, so "4" answers "0 + 4" and
+    "0 + 4 = 4" keeps its second 4.
     """
     numbers = [int(n) for n in _NUMBER.findall(reply)] if isinstance(reply, str) else []
-    for first, second in ((a, b), (b, a)):
-        if first in numbers and second in numbers[numbers.index(first) + 1:]:
-            i = numbers.index(first)
-            j = numbers.index(second, i + 1)
-            numbers = numbers[:i] + numbers[i + 1:j] + numbers[j + 1:]
-            break
-    return numbers[-1] if numbers else None
+    kept, i = [], 0
+    while i < len(numbers):
+        if numbers[i:i + 2] in ([a, b], [b, a]):
+            i += 2
+        else:
+            kept.append(numbers[i])
+            i += 1
+    return kept[-1] if kept else None
 
 
 class AdditionChatEnv(AdditionEnv):

@@ -12,8 +12,9 @@ In order (injected fault → what is checked):
     outside run_dir) → refused with the reason and the fix; nothing loaded;
   - SIGKILL of the server's process group once 3 of the 8 rollouts of step 2 are done → server
     restarted, step 2 redone, earlier adapters/optimizer state untouched, rows 1-2 = reference;
-  - SIGKILL just before POST /load_lora_adapter of step 3 → restarted; only complete, checksummed
-    adapter directories are ever loaded; row 3 = reference;
+  - SIGKILL just before POST /load_lora_adapter of step 3 → restarted; only complete adapter
+    directories (the whole safetensors file, under the version's final name) are ever loaded, and
+    each is checksummed once its checkpoint is written; row 3 = reference;
   - SIGKILL just before unloading policy-step-3 in step 4 (policy-step-4 already loaded) →
     restarted, policy-step-4 loaded once on the new server (not twice: names are immutable);
   - ENOSPC midway through saving step 5 → AdapterSaveError, no policy-step-5, policy-step-4 still
@@ -113,17 +114,26 @@ def assert_same_step(run_dir: Path, reference, n: int) -> None:
 
 
 def record_loads(monkeypatch) -> list[str]:
-    """Names the server is asked to load; each directory is checked, at that moment, to be a
-    complete and checksummed adapter."""
+    """Names the server is asked to load; each directory is checked, at that moment, to hold a
+    complete adapter under the version's final name (its checksum may still be on the way: the
+    checkpoint writer seals a version off the reload's path; `assert_sealed`)."""
     original, names = SGLangClient.load_adapter, []
 
     async def checked(self, name, path):
-        load_version(Path(path).parent, int(name.rsplit("-", 1)[1]))  # raises unless complete
+        assert Path(path).name == name, f"{path} is not the final folder of {name}"
+        load_file(str(Path(path) / "adapter_model.safetensors"))  # raises unless the whole file is there
         names.append(name)
         return await original(self, name, path)
 
     monkeypatch.setattr(SGLangClient, "load_adapter", checked)
     return names
+
+
+def assert_sealed(run, names: list[str]) -> None:
+    """Every loaded version is checksummed and its checksum matches, once the checkpoint writer is done."""
+    run.trainer.wait_for_checkpoint()
+    for name in set(names):
+        load_version(run.run_dir / "adapters", int(name.rsplit("-", 1)[1]))  # raises unless sealed and intact
 
 
 # ---- security defaults on the live server --------------------------------------------------------
@@ -199,6 +209,7 @@ def test_server_killed_during_adapter_reload(run, reference, monkeypatch, faults
     assert kill.fired and run.server.alive() and row["restarts"] == run.restarts == 2
     # the new server gets the newest published adapter back, then the one just trained
     assert loads == ["policy-step-3", "policy-step-2", "policy-step-3"]
+    assert_sealed(run, loads)
     assert served(run) == ["policy-step-3"] and faults.history_steps(run.run_dir) == [1, 2, 3]
     assert_same_step(run.run_dir, reference, 3)
 
@@ -210,6 +221,7 @@ def test_server_killed_while_unloading_the_previous_adapter(run, reference, monk
     row = step(run)
     assert kill.fired and run.server.alive() and row["restarts"] == run.restarts == 3
     assert loads == ["policy-step-4", "policy-step-4"]  # the old server, then the new one: once each
+    assert_sealed(run, loads)
     assert served(run) == ["policy-step-4"] and faults.history_steps(run.run_dir) == [1, 2, 3, 4]
     assert_same_step(run.run_dir, reference, 4)
 

@@ -69,12 +69,19 @@ def trl_config(cfg: StepBenchConfig, max_new: int, output_dir: str) -> TRLConfig
         model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32})
 
 
+def scoring_without_triton() -> None:
+    """TRL scores through its Triton kernel; without a GPU that cannot run, whether Triton is
+    installed (a fresh CPU machine gets it with torch) or not: there TRL scores with TorchLogProb,
+    the same function in plain torch."""
+    if trl_utils._ChunkedLogProbFunction is None or not torch.cuda.is_available():
+        trl_utils._ChunkedLogProbFunction = TorchLogProb
+
+
 def trl_leg(cfg: StepBenchConfig, max_new: int) -> dict:
     """`cfg.steps` GRPOTrainer steps of the job; one result row (start_s: from here to the trainer
     built, model loaded and LoRA applied)."""
     t_start = time.perf_counter()
-    if trl_utils._ChunkedLogProbFunction is None:  # no Triton (CPU): TRL's fused scoring cannot run
-        trl_utils._ChunkedLogProbFunction = TorchLogProb
+    scoring_without_triton()
     data = Dataset.from_list(job_prompts(cfg, cfg.groups * max(cfg.steps, 1)))
     out = Path(cfg.run_dir) / f"trl-{max_new}"
     shutil.rmtree(out, ignore_errors=True)

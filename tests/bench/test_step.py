@@ -210,6 +210,15 @@ def test_torch_logprob_matches_log_softmax():
     assert hidden.grad is not None
 
 
+def test_trl_scores_in_plain_torch_without_a_gpu_even_where_triton_imports(monkeypatch):
+    """A fresh CPU machine gets Triton with torch: TRL's kernel imports but has no driver to run on."""
+    from artsg_nb.bench import step_trl
+    monkeypatch.setattr(step_trl.trl_utils, "_ChunkedLogProbFunction", object())  # Triton imported
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    step_trl.scoring_without_triton()
+    assert step_trl.trl_utils._ChunkedLogProbFunction is TorchLogProb
+
+
 def test_ratios_per_job_and_pipeline_setting_against_trl():
     rows = [bench_row("artsg_nb", 8, step_s=2.0, first_train_s=2.5, reload_s_median=0.1),
             bench_row("artsg_nb", 8, pipeline=True, step_s=1.0, first_train_s=2.6, reload_s_median=0.2),

@@ -265,3 +265,62 @@ def test_the_saved_adapter_holds_peft_state_dict(make_trainer, tmp_path):
     saved = load_file(str(tmp_path / "v" / "adapter_model.safetensors"))
     state = get_peft_model_state_dict(tr.model)
     assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
+
+
+# ---- a version whose seal is pending or failed ----------------------------------------------
+def _unsealed_version(tr, adapters, step, seal):
+    """Save `tr`'s adapter as version `step` the way a GRPO step does, with `seal` as its seal."""
+    from artsg_nb.rl.lora import save_adapter_atomic
+    v = save_adapter_atomic(tr.save_adapter, adapters, step, durable=False)
+    tr.save_checkpoint(v.path, wait=False, before=lambda: seal(v))
+    return v
+
+
+def test_a_pipelined_rollback_works_while_the_seal_is_pending_or_after_it_failed(make_trainer, tmp_path, monkeypatch):
+    from artsg_nb.run.pipeline import SampleAhead
+    tr = make_trainer(warm_up=False)
+    tr.train_step(_groups())
+    weights, optimizer = _lora(tr), _optimizer_tensors(tr)
+    release = threading.Event()
+
+    def slow_then_full(v):
+        release.wait(10)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    v = _unsealed_version(tr, tmp_path / "adapters", 1, slow_then_full)
+    tr.train_step(_groups())  # the next update, cancelled: rolled back while the seal still runs
+    ahead = SampleAhead(True, tr, tmp_path, supervisor=None, rollouts=None)
+    threading.Timer(0.2, release.set).start()
+    ahead._roll_back(1)
+    assert not (v.path / "sha256.txt").exists() and tr.step == 1
+    assert all(torch.equal(weights[n], p) for n, p in _lora(tr).items())
+    assert all(torch.equal(optimizer[k], x) for k, x in _optimizer_tensors(tr).items())
+
+
+def test_persist_seals_the_adapter_before_its_checkpoint(make_trainer, tmp_path):
+    from artsg_nb.rl.lora import seal_version
+    tr = make_trainer(warm_up=False)
+    tr.train_step(_groups())
+    tries = []
+
+    def full_once(v):
+        tries.append(1)
+        if len(tries) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        seal_version(v)
+    v = _unsealed_version(tr, tmp_path / "adapters", 1, full_once)
+    tr.wait_for_checkpoint()
+    assert not checkpoint_module.is_complete(v.path) and not (v.path / "sha256.txt").exists()
+    tr.checkpoints.persist(v.path)  # space again (RankedTrainer's other ranks read the disk)
+    assert checkpoint_module.is_complete(v.path) and load_version(tmp_path / "adapters", 1).sha256
+    assert latest_checkpoint(tmp_path / "adapters", 1).step == 1
+
+
+def test_resume_skips_a_complete_checkpoint_whose_adapter_has_no_checksum(make_trainer, tmp_path):
+    from artsg_nb.rl.lora import save_adapter_atomic
+    tr = make_trainer(warm_up=False)
+    v1 = save_adapter_atomic(tr.save_adapter, tmp_path / "adapters", 1)
+    tr.save_checkpoint(v1.path)
+    v2 = save_adapter_atomic(tr.save_adapter, tmp_path / "adapters", 2, durable=False)
+    tr.save_checkpoint(v2.path)  # a checkpoint written without the seal (never by the package itself)
+    assert checkpoint_module.is_complete(v2.path)
+    assert latest_checkpoint(tmp_path / "adapters", 2).step == 1

@@ -11,11 +11,13 @@ its answer (one sample object). When the tick ends, the queued payloads that agr
 but their prompt and sampling parameters (the adapter, whether logprobs are returned) go out as
 one request: `input_ids` and `sampling_params` become per-prompt lists and the answer list comes
 back in order. A payload alone goes out unchanged. A batch the server answers with an error status
-is sent again one payload at a time, so each refusal reaches the request that caused it; when
-every one of them is then answered, the batch shape itself was refused and batching stops for this
-batcher (a server that takes no per-prompt lists, such as sglang-router 0.3, is asked one request
-at a time from then on). A batch that gets no answer (the
-server is gone, a timeout) fails each of its requests with that error.
+is sent again one payload at a time, so each refusal reaches the request that caused it; when it
+was a refusal (4xx, or an answer that is no list of one object per prompt) and every one of them
+is then answered, the batch shape itself was refused and batching stops for this batcher (a server
+that takes no per-prompt lists, such as sglang-router 0.3, is asked one request at a time from
+then on). A batch that gets no answer (the server is gone, a timeout) fails each of its requests
+with that error. A caller cancelled before the flush is not sent; a batch whose callers are all
+cancelled is cancelled (its connection drops, and the server aborts the work).
 
 What it does not do: streamed requests, n > 1 (the caller sends those itself), or decide whether a
 server takes batches (engines/sglang.py does).
@@ -52,7 +54,7 @@ class GenerateBatcher:
         """Queue one single-prompt payload; the future resolves to its answer object."""
         future = self.loop.create_future()
         if not self.enabled:
-            self._spawn(self._one(payload, future))
+            self._spawn(self._one(payload, future), [future])
             return future
         key = json.dumps({k: v for k, v in payload.items() if k not in PER_PROMPT}, sort_keys=True, default=str)
         self._queued.setdefault(key, []).append((payload, future))
@@ -65,14 +67,25 @@ class GenerateBatcher:
         self._flush_scheduled = False
         queued, self._queued = self._queued, {}
         for items in queued.values():
+            items = [(p, f) for p, f in items if not f.done()]  # a caller cancelled before the send
             for i in range(0, len(items), self.max_batch):
-                self._spawn(self._batch(items[i:i + self.max_batch]))
+                chunk = items[i:i + self.max_batch]
+                self._spawn(self._batch(chunk), [f for _, f in chunk])
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro, futures: list[asyncio.Future]) -> None:
+        """Run `coro` (the request of `futures`) as a task of its own, cancelled once every one of
+        its callers is: the connection drops and the server aborts the work, as it does for a
+        cancelled single request."""
         task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_retrieve)
+
+        def caller_done(_: asyncio.Future) -> None:
+            if not task.done() and all(f.cancelled() for f in futures):
+                task.cancel()
+        for future in futures:
+            future.add_done_callback(caller_done)
 
     async def _batch(self, items: list[tuple[dict, asyncio.Future]]) -> None:
         if len(items) == 1:
@@ -89,11 +102,16 @@ class GenerateBatcher:
             _fail([f for _, f in items], e)
             return
         except EngineError as e:  # the server answered, but not this batch: each request on its own
+            refusal = e.status is None or 400 <= e.status < 500  # not a server error (5xx)
+            was_enabled = self.enabled
+            self.enabled = not refusal and was_enabled  # what callers submit meanwhile goes alone
             sent = await asyncio.gather(*(self._one(p, f) for p, f in items))
-            if all(sent) and self.enabled:  # no prompt of it was refused: the batch shape was
-                self.enabled = False
-                log.info("/generate refused a batch of %d prompts that it takes one by one (%s); sending "
-                         "requests one at a time from now on", len(items), e)
+            if refusal and was_enabled:
+                if all(sent):  # no prompt of it was refused on its own: the shape itself was
+                    log.info("/generate refused a batch of %d prompts that it takes one by one (%s); sending "
+                             "requests one at a time from now on", len(items), e)
+                else:  # a prompt of it was refused: batching goes on
+                    self.enabled = True
             return
         except BaseException as e:
             _fail([f for _, f in items], e)

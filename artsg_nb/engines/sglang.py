@@ -95,9 +95,9 @@ class SGLangClient(EngineClient):
     request, and the n samples are n copies of the prompt (n = 1 each, sample j seeded seed + j as
     native n does). Same samples, same prefix hits.
 
-    Single-prompt requests made in one event-loop tick go as one batch request (batching.py): a
-    step's groups send one warm-up batch, then one batch of every sample. Behind sglang-router
-    (which takes no per-sample list) every request goes alone."""
+    The warm-ups and samples of the n > 1 requests made in one event-loop tick go as one batch
+    request each (batching.py): a step's groups send one warm-up batch, then one batch of every
+    sample. Behind sglang-router (which takes no per-sample list) every request goes alone."""
 
     engine = "sglang"
     lora_n_problem = staticmethod(lora_n_problem)
@@ -141,8 +141,7 @@ class SGLangClient(EngineClient):
     async def _generate(self, input_ids, params, adapter) -> list[Generation]:
         if params.n > 1 and adapter is not None and await self.native_n_problem():
             return await self._generate_balanced(input_ids, params, adapter)
-        payload = self._generate_payload(input_ids, params, adapter)
-        body = await (self._post_one(payload) if params.n == 1 else self._post_generate(payload))
+        body = await self._post_generate(self._generate_payload(input_ids, params, adapter))
         # One prompt with n > 1 comes back as a list of n objects, n == 1 as one object.
         return [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
 
@@ -167,8 +166,10 @@ class SGLangClient(EngineClient):
 
     # ---- /generate, batched across the requests of one event-loop tick (engines/batching.py) ----
     batch_requests = True
-    """Send the single-prompt /generate requests made in one event-loop tick as one batch request
-    (not behind sglang-router, which takes no per-prompt lists)."""
+    """Send the warm-ups and samples of the n > 1 requests made in one event-loop tick (a step's
+    groups) as one batch request each (not behind sglang-router, which takes no per-prompt lists).
+    A plain n = 1 request goes alone: an episode's next turn must not wait for other episodes'
+    longer replies in a shared batch."""
     _batcher: GenerateBatcher | None = None
 
     def _batcher_here(self) -> GenerateBatcher | None:

@@ -153,7 +153,7 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
-        self._newest: tuple[Path, CheckpointSnapshot] | None = None  # kept until written
+        self._newest: tuple[Path, CheckpointSnapshot, Callable[[], None] | None] | None = None  # kept until written
         self.failed: Path | None = None
         """The version folder whose checkpoint could not be written (its snapshot is kept)."""
 
@@ -165,7 +165,7 @@ class CheckpointWriter:
         self.wait()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-checkpoint")
-        self._newest, self.failed = (Path(version), snapshot), None
+        self._newest, self.failed = (Path(version), snapshot, before), None
         self._pending = self._pool.submit(_write_after, before, snapshot, version)
 
     def wait(self) -> None:
@@ -200,6 +200,9 @@ class CheckpointWriter:
             return self._newest[1]
         return None
 
+    def _unwritten_before(self) -> Callable[[], None] | None:
+        return self._newest[2] if self._newest is not None else None
+
     def persist(self, version: str | Path) -> None:
         """Write the unwritten checkpoint of `version` now, synchronously (raising if it fails
         again): for readers that only read disk, e.g. the other ranks of a RankedTrainer."""
@@ -207,7 +210,7 @@ class CheckpointWriter:
         if snapshot is None:
             return
         try:
-            write_checkpoint(snapshot, version)
+            _write_after(self._unwritten_before(), snapshot, version)  # the seal first, as the first try
         except (OSError, SafetensorError) as e:
             raise CheckpointError(
                 f"the checkpoint of {Path(version).name} is only in memory and cannot be written ({e}); the other "

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from ..files import fsync_path
+from ..files import fsync_path, write_atomic
 from .checkpoint import ADAPTER_FILE, CheckpointError, is_complete
 from ..engines import UnknownAdapterError
 
@@ -115,7 +115,7 @@ def _write_checksum(folder: Path) -> str:
     """sha256 of the folder's adapter file into sha256.txt, every file of the folder and the
     folder itself flushed to disk; the digest."""
     digest = file_sha256(folder / ADAPTER_FILE)
-    (folder / "sha256.txt").write_text(digest + "\n")
+    write_atomic(folder / "sha256.txt", digest + "\n", durable=True)  # never half a checksum on a full disk
     for file in folder.iterdir():
         if file.is_file():
             fsync_path(file)
@@ -171,8 +171,11 @@ def version_steps(adapters_dir: str | Path) -> list[int]:
 
 
 def checkpoint_steps(adapters_dir: str | Path) -> list[int]:
-    """Steps whose version folder holds a complete trainer checkpoint, ascending."""
-    return [s for s in version_steps(adapters_dir) if is_complete(Path(adapters_dir) / adapter_name(s))]
+    """Steps whose version folder holds a complete trainer checkpoint and a sealed adapter (its
+    checksum file: lora.seal_version runs before the checkpoint is written), ascending."""
+    folder = Path(adapters_dir)
+    return [s for s in version_steps(folder)
+            if is_complete(folder / adapter_name(s)) and (folder / adapter_name(s) / "sha256.txt").exists()]
 
 
 def latest_checkpoint(adapters_dir: str | Path, last_step: int) -> AdapterVersion:

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from ..rl.lora import load_version
+from ..rl.lora import adapter_name
 from .supervisor import ServerSupervisor
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,11 @@ class SampleAhead:
             raise
 
     def _roll_back(self, step: int) -> None:
-        """The trainer back to the saved version `step` (weights, optimizer, step, RNG)."""
-        self.trainer.load_checkpoint(load_version(self.run_dir / "adapters", step).path)
+        """The trainer back to the saved version `step` (weights, optimizer, step, RNG): the version
+        this trainer saved itself, so no checksum is asked of it (its seal may still be under way in
+        the checkpoint writer, or have failed for want of disk: load_checkpoint then restores it
+        from memory)."""
+        self.trainer.load_checkpoint(self.run_dir / "adapters" / adapter_name(step))
         log.warning("step %d cancelled during its update; trainer rolled back to step %d", step + 1, step)
 
     async def _cancel_ahead(self) -> None:

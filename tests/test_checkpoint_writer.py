@@ -98,10 +98,10 @@ def held_writes(monkeypatch):
     release, started = threading.Event(), threading.Event()
     real = checkpoint_module.write_checkpoint
 
-    def held(snapshot, path):
+    def held(snapshot, path, before=None):
         started.set()
         release.wait(30)
-        return real(snapshot, path)
+        return real(snapshot, path, before)
 
     monkeypatch.setattr(checkpoint_module, "write_checkpoint", held)
     return SimpleNamespace(release=release, started=started)

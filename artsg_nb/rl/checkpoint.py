@@ -130,21 +130,18 @@ class CheckpointSnapshot:
     """trainer_state.json: step, optimizer meta, Python RNG state, trainer config (JSON-ready)."""
 
 
-def write_checkpoint(snapshot: CheckpointSnapshot, version: str | Path) -> None:
-    """`snapshot` into the `trainer/` folder of the version folder `version`: the optimizer file,
-    fsynced, then the state file by rename, so the state file exists only beside a complete
-    optimizer file."""
+def write_checkpoint(snapshot: CheckpointSnapshot, version: str | Path, before: Callable[[], None] | None = None) -> None:
+    """`snapshot` into the `trainer/` folder of the version folder `version`, after `before()` (the
+    adapter's checksum and flush to disk: lora.seal_version): the optimizer file, fsynced, then the
+    state file by rename, so the state file exists only beside a complete optimizer file and a
+    sealed adapter."""
+    if before is not None:
+        before()
     folder = Path(version) / TRAINER_DIR
     folder.mkdir(exist_ok=True)
     save_file(snapshot.tensors, str(folder / OPTIMIZER_FILE))
     fsync_path(folder / OPTIMIZER_FILE)
     write_atomic(folder / STATE_FILE, json.dumps(snapshot.state), durable=True)
-
-
-def _write_after(before: Callable[[], None] | None, snapshot: CheckpointSnapshot, version: str | Path) -> None:
-    if before is not None:
-        before()
-    write_checkpoint(snapshot, version)
 
 
 class CheckpointWriter:
@@ -166,7 +163,7 @@ class CheckpointWriter:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-checkpoint")
         self._newest, self.failed = (Path(version), snapshot, before), None
-        self._pending = self._pool.submit(_write_after, before, snapshot, version)
+        self._pending = self._pool.submit(write_checkpoint, snapshot, version, before)
 
     def wait(self) -> None:
         """Block until the newest checkpoint is on disk. A write that failed for want of disk is
@@ -200,9 +197,6 @@ class CheckpointWriter:
             return self._newest[1]
         return None
 
-    def _unwritten_before(self) -> Callable[[], None] | None:
-        return self._newest[2] if self._newest is not None else None
-
     def persist(self, version: str | Path) -> None:
         """Write the unwritten checkpoint of `version` now, synchronously (raising if it fails
         again): for readers that only read disk, e.g. the other ranks of a RankedTrainer."""
@@ -210,7 +204,7 @@ class CheckpointWriter:
         if snapshot is None:
             return
         try:
-            _write_after(self._unwritten_before(), snapshot, version)  # the seal first, as the first try
+            write_checkpoint(snapshot, version, self._newest[2])  # the seal first, as on the first try
         except (OSError, SafetensorError) as e:
             raise CheckpointError(
                 f"the checkpoint of {Path(version).name} is only in memory and cannot be written ({e}); the other "

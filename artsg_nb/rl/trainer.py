@@ -446,9 +446,7 @@ class Trainer:
         snapshot = self.checkpoint_snapshot()
         if wait:
             self.checkpoints.wait()  # in order: an earlier background write first
-            if before is not None:
-                before()
-            write_checkpoint(snapshot, path)
+            write_checkpoint(snapshot, path, before)
         else:
             self.checkpoints.submit(snapshot, path, before)
 

@@ -3,10 +3,11 @@
 What it does: `AdditionChatEnv` asks registry.AdditionEnv's question ("What is 3 + 4?") and reads
 the reply's last number as its answer ("3 + 4 = 7." -> 7), as GSM8K-style checkers read one,
 once the question's two operands are set aside where the reply restates them ("3 + 4 =", cut off
-there, has no answer: its 4 is an operand, not a guess), scored by `addition_reward` (1.0 right, partial credit for a near miss). SmolLM2-135M-Instruct
-almost never replies with a bare number, so `addition` pays it nothing and GRPO gets no signal;
-here about half its groups have one within 8 new tokens. The step benchmark's job. `ADDITION_CHAT`
-is registered with the built-in tasks when `artsg_nb.tasks` is imported.
+there, has no answer: its 4 is an operand, not a guess), scored by `addition_reward` (1.0 right,
+partial credit for a near miss). SmolLM2-135M-Instruct almost never replies with a bare number,
+so `addition` pays it nothing and GRPO gets no signal; here about half its groups have one within
+8 new tokens. The step benchmark's job. `ADDITION_CHAT` is registered with the built-in tasks when
+`artsg_nb.tasks` is imported.
 
 What it does not do: enter the tiny model's pretraining (no teacher). It lives outside
 registry.py on purpose: the tiny model's build recipe hashes that file (models/tiny.py), and this

@@ -502,26 +502,26 @@ def training_summary(steps: list[dict]) -> dict | None:
 
 
 # ---- the server's own view ---------------------------------------------------------------------------
-SERVER_COUNTERS = ("forward_execution_seconds_total", "cuda_graph_passes_total", "num_requests_total",
-                   "generation_tokens_total", "prompt_tokens_total", "cached_tokens_total")
+SERVER_COUNTERS = ("forward_execution_seconds", "cuda_graph_passes", "num_requests", "generation_tokens",
+                   "prompt_tokens", "cached_tokens")
+"""Counters read besides every histogram (names as prometheus_client gives a counter family: no _total)."""
 
 
 def server_series(text: str) -> dict[str, float]:
-    """Histogram sums/counts and a few counters of a /metrics text, keyed "name{labels}:sum|count"
+    """Histogram sums/counts and the SERVER_COUNTERS of a /metrics text, keyed "name{labels}:sum|count|total"
     (the labels that vary: stage, mode, category; the model name is left out)."""
     from prometheus_client.parser import text_string_to_metric_families
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         short = fam.name.split(":", 1)[-1]
         for smp in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items())
-                              if k in ("stage", "mode", "category"))
-            key = f"{short}{{{labels}}}" if labels else short
-            if fam.type == "histogram" and smp.name.endswith(("_sum", "_count")):
-                out[f"{key}:{smp.name.rsplit('_', 1)[1]}"] = out.get(f"{key}:{smp.name.rsplit('_', 1)[1]}", 0.0) + smp.value
-            elif fam.type == "counter" and any(short.startswith(c.removesuffix("_total")) for c in SERVER_COUNTERS) \
-                    and smp.name.endswith("_total"):
-                out[f"{key}:total"] = out.get(f"{key}:total", 0.0) + smp.value
+            kind = smp.name.rsplit("_", 1)[-1]  # sum, count, bucket; total for a counter
+            wanted = kind in ("sum", "count") if fam.type == "histogram" else (
+                fam.type == "counter" and short in SERVER_COUNTERS and kind == "total")
+            if wanted:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(smp.labels.items()) if k in ("stage", "mode", "category"))
+                key = f"{short}{{{labels}}}:{kind}" if labels else f"{short}:{kind}"
+                out[key] = out.get(key, 0.0) + smp.value
     return out
 
 

@@ -56,6 +56,14 @@ sglang:prompt_tokens_total{engine_type="unified",is_streaming="true",model_name=
     assert cache_counters(text, "sglang") == CacheCounters(100.0, 45.0)
 
 
+def test_parse_metrics_of_named_samples_reads_only_those_with_the_same_values():
+    text = fixture("metrics.txt")
+    everything = parse_metrics(text)
+    names = ["sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:e2e_request_latency_seconds_sum"]
+    assert parse_metrics(text, names) == {name: everything[name] for name in names}
+    assert parse_metrics(text, ["sglang:no_such_counter_total"]) == {}
+
+
 def test_vllm_counters_sum_over_engines():
     counters = cache_counters(VLLM_METRICS, "vllm")
     assert counters == CacheCounters(prompt_tokens=1000.0, cached_tokens=400.0)

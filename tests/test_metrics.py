@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from artsg_nb.serving.metrics import (TURN_COLUMNS, CacheCounters, HitRateTracker, MetricsError, cache_counters,
-                              cumulative_hit_rate, hit_rate, parse_metrics, theoretical_hit_rate, turn_hit_rates)
+                              cumulative_hit_rate, hit_rate, parse_metrics, served_hit_rate, theoretical_hit_rate, turn_hit_rates)
 from artsg_nb.rollout.trajectory import Trajectory, TrajectoryGroup
 from sglang_fixtures import fixture
 
@@ -62,6 +62,15 @@ def test_parse_metrics_of_named_samples_reads_only_those_with_the_same_values():
     names = ["sglang:prompt_tokens_total", "sglang:cached_tokens_total", "sglang:e2e_request_latency_seconds_sum"]
     assert parse_metrics(text, names) == {name: everything[name] for name in names}
     assert parse_metrics(text, ["sglang:no_such_counter_total"]) == {}
+
+
+def test_served_hit_rate_sums_what_the_server_reported_for_every_episode():
+    ok = Trajectory(messages=[], token_ids=[1, 2, 3], completion_mask=[0, 0, 1], logprobs=[0.0, 0.0, -1.0],
+                    prompt_tokens=30, cached_tokens=20)
+    failed = Trajectory(messages=[], token_ids=[1], completion_mask=[0], logprobs=[0.0], prompt_tokens=10, cached_tokens=0,
+                        error="x")
+    assert served_hit_rate([TrajectoryGroup(0, [ok]), TrajectoryGroup(1, [failed])]) == pytest.approx(20 / 40)
+    assert served_hit_rate([TrajectoryGroup(0, [])]) is None
 
 
 def test_vllm_counters_sum_over_engines():

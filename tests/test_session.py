@@ -13,16 +13,24 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
     # scripted reward: every step has a signal, so every step publishes a new adapter
     cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
                     run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=2, verbose=False, verify_every=2)
-    seen = []
+    seen, scrapes, rolling = [], [], []
     with GRPORun(cfg) as run:
-        real_collect = run._rollouts
+        real_collect, real_metrics = run._rollouts, run.client.metrics_text
 
         async def recording(step):
+            rolling.append(True)
             groups, hit = await real_collect(step)
+            rolling.clear()
             seen.append({t.adapter for g in groups for t in g.trajectories})
+            trajs = [t for g in groups for t in g.trajectories]
+            assert hit == sum(t.cached_tokens for t in trajs) / sum(t.prompt_tokens for t in trajs)
             return groups, hit
 
-        run._rollouts = recording
+        async def counted_metrics():
+            scrapes.append("during rollouts" if rolling else "beside the reload")
+            return await real_metrics()
+
+        run._rollouts, run.client.metrics_text = recording, counted_metrics
         for step in (1, 2, 3):
             row = asyncio.run(run.step())
             loaded = asyncio.run(run.client.list_adapters())
@@ -39,6 +47,9 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
         assert [g.seed for g in extra] == [11, 12] and all(len(g.trajectories) == 4 for g in extra)
         assert {t.adapter for g in extra for t in g.trajectories} == {"policy-step-3"}
         assert run.trainer.step == 3 and len(run.history.df) == 3
+    # The step's hit rate is what the server reported per request; the dashboard's one scrape a
+    # step (and the first window's start) goes beside the reload, none on the rollouts' path.
+    assert scrapes == ["beside the reload"] * 4, scrapes
     # Step N's rollouts come from the adapter published after step N-1.
     assert seen == [{"policy-step-0"}, {"policy-step-1"}, {"policy-step-2"}]
     assert list(df["step"]) == [1, 2, 3]

@@ -21,6 +21,7 @@ LoRA weights (see grpo.py for the exact loss).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from ..files import write_atomic
 from ..rl.distributed import make_trainer
-from ..engines import SamplingParams
+from ..engines import EngineError, SamplingParams
 from ..rollout.evaluate import evaluate, history_fields
 from ..rl.export import export_adapter, export_merged
 from ..serving.gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
@@ -37,7 +38,7 @@ from .history import History, step_row
 from ..rl.lora import (AdapterPublisher, AdapterSaveError, AdapterVersion, MaskedScorer, latest_checkpoint,
                        probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic,
                        seal_version)
-from ..serving.metrics import HitRateTracker, cache_counters, hit_rate
+from ..serving.metrics import HitRateTracker, MetricsError, served_hit_rate
 from ..models.pretrained import base_model_id, built_model_dir
 from .pipeline import SampleAhead
 from ..view.plots import LiveTraining, load_rollouts, plot_training
@@ -280,10 +281,15 @@ class GRPORun:
         n_constant, no_signal = constant_groups(groups)
         if no_signal:  # every group has one reward: no gradient; see _skip_update
             metrics, train_s, memory_s, (version, reload_s, probe) = self._skip_update(n_constant)
+            await self._scrape_metrics()
         else:
             metrics, train_s, memory_s = await train(groups, step)
             log.info("step %d: update in %.2f s; save and reload", step, train_s)
-            version, reload_s, probe = await self._save_and_reload(groups)
+            scrape = asyncio.ensure_future(self._scrape_metrics())  # sent while the reload waits on the server
+            try:
+                version, reload_s, probe = await self._save_and_reload(groups)
+            finally:
+                await scrape
         row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
                        memory_s, self.restarts)
         row.update(self.sampler.row)  # staleness, ahead_wait_s when pipelining
@@ -432,13 +438,21 @@ class GRPORun:
         return await train_released(self.trainer, groups, self.supervisor, self.release, self.cfg.release_tags)
 
     async def _rollouts(self, step: int):
+        """(groups, hit rate) of `step`'s rollouts; the rate is the server's own count per request
+        (metrics.served_hit_rate): no /metrics round trip before or after them."""
         await self.supervisor.check_served(self.trainer.step)
-        before = cache_counters(await self.client.metrics_text(), self.tracker.engine)
         groups = await self._collect(self._seeds(step), self.cfg.schedule, self._sampling_seed_base(step))
         await self.supervisor.raise_if_server_lost(groups)
-        text = await self.client.metrics_text()
-        self.tracker.add_sample(text)
-        return groups, hit_rate(before, cache_counters(text, self.tracker.engine))
+        return groups, served_hit_rate(groups)
+
+    async def _scrape_metrics(self) -> None:
+        """One /metrics scrape for the dashboard's hit-rate windows and a fleet's per-worker
+        figures (`worker_stats`); run beside the save and reload, off the step's path. A failed
+        scrape leaves this window out: the step and its row do not depend on it."""
+        try:
+            self.tracker.add_sample(await self.client.metrics_text())
+        except (EngineError, MetricsError) as e:
+            log.warning("/metrics scrape failed (%s); the dashboard's hit-rate window skips it", e)
 
     async def _collect(self, seeds: list[int], schedule: str, sampling_seed_base: int | None = None):
         """The run's collect_groups call: its task, tokenizer, group size, sampling and budget."""

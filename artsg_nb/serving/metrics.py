@@ -118,6 +118,17 @@ def hit_rate(before: CacheCounters, after: CacheCounters) -> float | None:
     return (after.cached_tokens - before.cached_tokens) / prompt
 
 
+def served_hit_rate(groups: Sequence) -> float | None:
+    """Cached / prompt tokens of a batch's requests as the server reported them with each answer
+    (Trajectory.prompt_tokens / cached_tokens, every episode, failed ones included); None when
+    there is no prompt token. Requests made only to fill the cache (SGLang's warm-ups) and any
+    other traffic in the meantime (the adapter probe, an evaluation) are not in it, unlike a
+    /metrics window; it reads like `theoretical_hit_rate`, which counts the same prompts."""
+    trajs = [t for g in groups for t in g.trajectories]
+    prompt = sum(t.prompt_tokens for t in trajs)
+    return sum(t.cached_tokens for t in trajs) / prompt if prompt > 0 else None
+
+
 def cumulative_hit_rate(counters: CacheCounters) -> float | None:
     """Cached / prompt tokens since the server started; None before any prompt."""
     return hit_rate(CacheCounters(0.0, 0.0), counters)

@@ -46,4 +46,5 @@ def make_client(engine: str, base_url: str, served_model: str, api_key: str | No
     client = spec.client_class(base_url, served_model, api_key=api_key, timeout_s=timeout_s, **kwargs)
     client.engine = spec.name  # the CPU engine speaks SGLang's dialect under its own name
     client.lora_n_problem = spec.lora_n_problem
+    client.warm_up_from_flop = spec.warm_up_from_flop
     return client

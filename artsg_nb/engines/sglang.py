@@ -42,6 +42,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Iterable
 
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
@@ -73,6 +74,22 @@ def lora_n_problem(info: dict) -> str | None:
             f"unloading that adapter never returns ({LORA_N_ISSUE})")
 
 
+WARM_UP_FROM_FLOP = 1e12
+"""SGLang's EngineSpec.warm_up_from_flop. Measured on an H100 (SmolLM2-135M, 16 prompts of 38
+tokens x 8 copies, tools/gpu/batch_shapes.py, 2026-12-06): one warm-up batch then one sample batch
+0.161 s, one batch of the copies 0.118 s; the warm-up's round trip, shared by a step's 16 groups,
+costs ~2.7 ms a group, about what 1e12 FLOPs of prefill take at 40 % of the card's bf16 peak. So
+SmolLM2 skips it below ~530-token prompts (8 copies), a 1.5B model below ~50, an 8B model never."""
+
+
+def weight_bytes(model: str) -> int | None:
+    """Bytes of the `*.safetensors` weights in the local model folder `model`; None when `model`
+    is not a local folder with safetensors (a hub id, another format)."""
+    folder = Path(model)
+    files = list(folder.glob("*.safetensors")) if folder.is_dir() else []
+    return sum(f.stat().st_size for f in files) or None
+
+
 def _version_tuple(version: str) -> tuple[int, ...]:
     parts = []
     for part in version.split("."):
@@ -93,7 +110,8 @@ class SGLangClient(EngineClient):
     out as SGLang itself would send it — a prefill-only warm-up that caches the prompt, then the n
     samples together — but as requests whose references balance: the warm-up is a plain n = 1
     request, and the n samples are n copies of the prompt (n = 1 each, sample j seeded seed + j as
-    native n does). Same samples, same prefix hits.
+    native n does). Same samples, same prefix hits. Where the copies' prefill is cheaper than the
+    warm-up's round trip (a small model, a short prompt: `warm_up_pays`), the warm-up is left out.
 
     The warm-ups and samples of the n > 1 requests made in one event-loop tick go as one batch
     request each (batching.py): a step's groups send one warm-up batch, then one batch of every
@@ -148,8 +166,9 @@ class SGLangClient(EngineClient):
     async def _generate_balanced(self, input_ids, params, adapter) -> list[Generation]:
         """n samples as a warm-up (n = 1, no new tokens) then n single samples (see the class),
         which the batcher sends together with the other groups' of this tick."""
-        warm_up = self._generate_payload(input_ids, replace(params, n=1, max_new_tokens=0, seed=None), adapter)
-        await self._post_one({**warm_up, "return_logprob": False})
+        if self.warm_up_pays(len(input_ids), params.n):
+            warm_up = self._generate_payload(input_ids, replace(params, n=1, max_new_tokens=0, seed=None), adapter)
+            await self._post_one({**warm_up, "return_logprob": False})
         seeds = [None if params.seed is None else params.seed + j for j in range(params.n)]
         singles = [self._generate_payload(input_ids, replace(params, n=1, seed=seed), adapter) for seed in seeds]
         batcher = self._batcher_here()
@@ -163,6 +182,21 @@ class SGLangClient(EngineClient):
                        "lora_path": adapter}
             bodies = await self._post_generate(payload)
         return [self._parse_sample(obj) for obj in bodies]
+
+    warm_up_from_flop = 0.0
+    """Set from the engine's spec (EngineSpec.warm_up_from_flop) by engines.make_client."""
+    _weight_bytes: object = _UNKNOWN
+
+    def warm_up_pays(self, prompt_tokens: int, n: int) -> bool:
+        """Whether n copies of a `prompt_tokens` prompt go after a warm-up that caches it: when
+        the prefill they would redo reaches `warm_up_from_flop`, or the model's size is unknown. A
+        bf16 weight is 2 bytes and 2 FLOPs per token, so the weights' bytes count the FLOPs per
+        prompt token (fp32 weights count double: more warm-ups, never fewer)."""
+        if not self.warm_up_from_flop:
+            return True
+        if self._weight_bytes is _UNKNOWN:
+            self._weight_bytes = weight_bytes(self.served_model)
+        return self._weight_bytes is None or self._weight_bytes * prompt_tokens * (n - 1) >= self.warm_up_from_flop
 
     # ---- /generate, batched across the requests of one event-loop tick (engines/batching.py) ----
     batch_requests = True
@@ -427,7 +461,7 @@ SPEC = EngineSpec(
     name="sglang", client_class=SGLangClient, entry="sglang.launch_server", package="sglang",
     chat_token_ids=CHAT_TOKEN_IDS, raw=RAW,
     launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER, lora_n_problem=lora_n_problem,
-    auth_probe="/model_info", tp_flag="--tp-size", mem_fraction_of="free",
+    auth_probe="/model_info", tp_flag="--tp-size", mem_fraction_of="free", warm_up_from_flop=WARM_UP_FROM_FLOP,
     python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",
     conda_env="artsg-server", venv_dir=".venv-server",
     create_commands=("conda env create -f environment-server.yml", "make server-env"),

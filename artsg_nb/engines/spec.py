@@ -102,6 +102,11 @@ class EngineSpec:
     that server, or None. SGLang up to at least 0.5.14 miscounts the adapter's references for such a
     request and its next unload never returns (sglang#36894); its client then sends the same work
     in a shape whose references balance (sglang.SGLangClient)."""
+    warm_up_from_flop: float = 0.0
+    """For n > 1 under an adapter sent as n copies of the prompt (`lora_n_problem`): the prefill
+    work the copies would redo, (n - 1) x prompt tokens x 2 FLOPs per weight, from which the prompt
+    is first sent alone to fill the prefix cache (what SGLang's native n > 1 always does). Below it
+    the copies are prefilled together, a round trip fewer. 0: always send it."""
 
     @property
     def args_var(self) -> str:

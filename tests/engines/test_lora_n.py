@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -25,7 +26,7 @@ def sample(ids: list[int], n_out: int = 2) -> dict:
                           "output_token_logprobs": [[-0.5, t, None] for t in out]}}
 
 
-def recording_client(version: str = "0.5.14", engine: str = "sglang"):
+def recording_client(version: str = "0.5.14", engine: str = "sglang", model: str = "base"):
     bodies: list[dict] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -39,7 +40,7 @@ def recording_client(version: str = "0.5.14", engine: str = "sglang"):
         n = body["sampling_params"].get("n", 1)
         return httpx.Response(200, json=[sample(ids)] * n if n > 1 else sample(ids))
 
-    client = engines.make_client(engine, "http://test", "base", transport=httpx.MockTransport(handler))
+    client = engines.make_client(engine, "http://test", model, transport=httpx.MockTransport(handler))
     return client, bodies
 
 
@@ -60,6 +61,22 @@ def test_n_under_an_adapter_goes_as_a_warm_up_then_one_balanced_batch():
     assert [p["n"] for p in batch["sampling_params"]] == [1, 1, 1]
     assert [p["sampling_seed"] for p in batch["sampling_params"]] == [40, 41, 42]  # as native n seeds sample j
     assert all(p["max_new_tokens"] == 5 for p in batch["sampling_params"])
+
+
+@pytest.mark.parametrize("prompt_tokens, warm_up", [(40, False), (600, True)])
+def test_the_warm_up_is_left_out_where_prefilling_the_copies_costs_less(tmp_path, prompt_tokens, warm_up):
+    # A 270 MB model (SmolLM2-135M in bf16): 8 copies of a 40-token prompt redo 7.6e10 FLOPs of
+    # prefill, below SGLang's warm_up_from_flop (1e12); 600 tokens redo 1.1e12.
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    os.truncate(tmp_path / "model.safetensors", 270_000_000)  # sparse: no disk written
+    client, bodies = recording_client(model=str(tmp_path))
+    prompt = list(range(1, prompt_tokens + 1))
+    gens = asyncio.run(client.generate(prompt, SamplingParams(max_new_tokens=5, n=8, seed=1), adapter="a"))
+    assert len(gens) == 8
+    shapes = [(len(b["input_ids"]) if isinstance(b["input_ids"][0], list) else 1,
+               b["sampling_params"]["max_new_tokens"] if isinstance(b["sampling_params"], dict) else 5) for b in bodies]
+    assert shapes == ([(1, 0)] if warm_up else []) + [(8, 5)]
+    assert all(b["lora_path"] == "a" for b in bodies)
 
 
 def test_native_n_where_it_is_safe():

@@ -5,6 +5,7 @@ learns like the synchronous run; it refuses release_memory; stop() leaves no rol
 import asyncio
 import os
 import signal
+import threading
 from dataclasses import replace
 
 import pytest
@@ -33,7 +34,14 @@ def test_steps_train_on_rollouts_of_the_previous_adapter(tiny_model_dir, tmp_pat
                             [g.seed for g in groups], ahead is not None and not ahead.done()))
             return real(groups)
 
-        run.trainer.train_step = recording
+        saves = []  # per save: (in a worker thread, the step still waiting for the rollouts ahead)
+        real_save = run._save_served
+
+        def recording_save():
+            saves.append((threading.current_thread() is not threading.main_thread(), run._ahead_task is not None))
+            return real_save()
+
+        run.trainer.train_step, run._save_served = recording, recording_save
         rows = [asyncio.run(run.step()) for _ in range(3)]
         seeds = [run._seeds(s) for s in (1, 2, 3)]
         assert not run.history.df["update_skipped"].any(), "a skipped update would break the pattern tested here"
@@ -45,6 +53,10 @@ def test_steps_train_on_rollouts_of_the_previous_adapter(tiny_model_dir, tmp_pat
     assert [t[2] for t in trained] == seeds, "sampled-ahead rollouts use the seeds of the step they train"
     assert all(t[3] for t in trained), "the next step's rollouts were in flight during every update"
     assert all(r["ahead_wait_s"] is not None and r["ahead_wait_s"] >= 0 for r in rows)
+    # each new adapter is saved in the update's thread, before the rollouts ahead are collected;
+    # only its load waits for them (it unloads the adapter they sample from)
+    assert saves == [(True, True)] * 3, saves
+    assert all(r["reload_s"] > 0 for r in rows)
     for r in rows:
         assert all(r[c] == r[c] and r[c] is not None for c in ("is_ratio_mean", "is_ratio_min", "is_ratio_max")), r
     # on-policy step 1: server and trainer agree (ratio ~1); off-policy steps: the trainer's weights moved

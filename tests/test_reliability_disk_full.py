@@ -11,8 +11,10 @@ history went on [1, 3], and step 3 trained on policy-step-1's rollouts with step
 from __future__ import annotations
 
 import asyncio
+import errno
 import resource
 import signal
+import threading
 from contextlib import contextmanager
 
 import pytest
@@ -49,14 +51,19 @@ def test_safetensors_write_error_is_an_adapter_save_error(tmp_path):
     assert list((tmp_path / "adapters").iterdir()) == []  # no final name, no half-written tmp
 
 
-def test_step_whose_save_fails_in_safetensors_is_rolled_back(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sync", "pipelined"])
+def test_step_whose_save_fails_in_safetensors_is_rolled_back(tmp_path, tiny_model_dir, pipeline):
+    # pipelined: the save runs in the update's worker thread while the next rollouts are sampled
     cfg = RunConfig(task=SCRIPTED, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
-                    group_size=2, groups_per_step=2, lora_rank=4, lora_alpha=8, seed=5, verbose=False)
+                    group_size=2, groups_per_step=2, lora_rank=4, lora_alpha=8, seed=5, verbose=False,
+                    pipeline=pipeline)
     with GRPORun(cfg) as run:
         asyncio.run(run.step())
         save = run.trainer.save_adapter
 
         def save_on_full_disk(path):
+            if threading.current_thread() is not threading.main_thread():  # no signal handler there
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
             with file_size_limit(4096):
                 save(path)
 
@@ -65,6 +72,7 @@ def test_step_whose_save_fails_in_safetensors_is_rolled_back(tmp_path, tiny_mode
             asyncio.run(run.step())
         run.trainer.save_adapter = save
         assert run.trainer.step == 1 and run.adapter == "policy-step-1"  # rolled back to the served version
+        assert run._ahead_task is None and run._ahead is None  # the rollouts sampled ahead were cancelled
         row = asyncio.run(run.step())
         assert row["step"] == 2 and row["adapter"] == "policy-step-2"
         assert [int(s) for s in run.history.df["step"]] == [1, 2]

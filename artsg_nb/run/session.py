@@ -242,7 +242,7 @@ class GRPORun:
             await self.serve_initial()
             self.sampler.row = {}
             return await self._update(self.trainer.step + 1, groups, None, None,
-                                      lambda gs, _step: self._train(gs))
+                                      lambda gs, _step: self._train_unsaved(gs))
         finally:
             await self.watchdog.stop()
 
@@ -271,7 +271,8 @@ class GRPORun:
         groups, hit_rate, rollout_s = await self.sampler.rollouts(step)  # pipeline.py: maybe sampled ahead
         log.info("step %d: %d groups in %.2f s; update%s", step, len(groups), rollout_s,
                  " (server memory released around it)" if self.release else "")
-        train = lambda gs, step: self.sampler.train(gs, step, self._train, self.release)  # noqa: E731
+        train = lambda gs, step: self.sampler.train(gs, step, self._train, self.release,  # noqa: E731
+                                                    self._save_new_version)
         return await self._update(step, groups, hit_rate, rollout_s, train)
 
     async def _update(self, step: int, groups, hit_rate, rollout_s, train) -> dict:
@@ -283,11 +284,11 @@ class GRPORun:
             metrics, train_s, memory_s, (version, reload_s, probe) = self._skip_update(n_constant)
             await self._scrape_metrics()
         else:
-            metrics, train_s, memory_s = await train(groups, step)
+            metrics, train_s, memory_s, saved = await train(groups, step)
             log.info("step %d: update in %.2f s; save and reload", step, train_s)
             scrape = asyncio.ensure_future(self._scrape_metrics())  # sent while the reload waits on the server
             try:
-                version, reload_s, probe = await self._save_and_reload(groups)
+                version, reload_s, probe = await self._save_and_reload(groups, saved)
             finally:
                 await scrape
         row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
@@ -437,6 +438,10 @@ class GRPORun:
         """trainer.train_step, with the server's memory released around it when `self.release`."""
         return await train_released(self.trainer, groups, self.supervisor, self.release, self.cfg.release_tags)
 
+    async def _train_unsaved(self, groups) -> tuple[dict, float, tuple, None]:
+        """`_train`, as SampleAhead.train returns it: nothing saved yet."""
+        return (*await self._train(groups), None)
+
     async def _rollouts(self, step: int):
         """(groups, hit rate) of `step`'s rollouts; the rate is the server's own count per request
         (metrics.served_hit_rate): no /metrics round trip before or after them."""
@@ -464,25 +469,36 @@ class GRPORun:
                                     schedule=resolve_schedule(schedule, self.task.max_turns),
                                     max_seq_tokens=cfg.max_seq_tokens, sampling_seed_base=sampling_seed_base)
 
-    async def _save_and_reload(self, groups):
+    def _save_new_version(self) -> tuple[AdapterVersion, float]:
+        """(version, seconds): the update's adapter saved as a new version (`_save_served`). A save
+        that fails drops the update with it: the trainer returns to the served version (weights,
+        optimizer, step, RNG), so the next step() redoes this step. A pipelined step runs this in
+        its update's worker thread (pipeline.SampleAhead.train)."""
         previous = self.publisher.current
-        probe = probe_trajectory(groups)
         t0 = time.perf_counter()
         try:
             version = self._save_served()
         except AdapterSaveError:
-            # The update is dropped with its adapter: the trainer returns to the served version
-            # (weights, optimizer, step, RNG), so the next step() redoes this step.
             self.trainer.load_checkpoint(previous.path)
             log.warning("adapter of step %d not saved; trainer rolled back to %s", self.trainer.step + 1,
                         previous.name)
             raise
+        return version, time.perf_counter() - t0
+
+    async def _save_and_reload(self, groups, saved: tuple[AdapterVersion, float] | None = None):
+        """Save the update's adapter (unless `saved` already: (version, seconds)), load it into the
+        server, check it when due; (version, reload_s, probe result). reload_s is the save's and
+        the load's seconds together, wherever the save ran."""
+        previous = self.publisher.current
+        probe = probe_trajectory(groups)
+        version, save_s = saved or self._save_new_version()
+        t0 = time.perf_counter()
         try:
             await self.supervisor.with_restarts(self.supervisor.publish, version)
         except BaseException:
             self.trainer.wait_for_checkpoint()  # the step stops here: its checkpoint on disk first
             raise
-        reload_s = time.perf_counter() - t0
+        reload_s = save_s + time.perf_counter() - t0
         result = {}
         if self._verify_due(version.step) and probe is not None:
             trainer_lp = self.trainer.score_tokens(probe.token_ids)

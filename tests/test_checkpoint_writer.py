@@ -124,6 +124,38 @@ def test_the_background_checkpoint_is_the_state_it_was_taken_at(make_trainer, tm
     assert loaded.keys() == at_step_1.keys() and all(torch.equal(loaded[k], at_step_1[k]) for k in at_step_1)
 
 
+def test_the_next_update_waits_until_the_writer_has_copied_the_optimizer(make_trainer, tmp_path, monkeypatch):
+    """The optimizer state is copied in the writer's thread, off the reload's path; an update
+    that moved it first would put the next step's state into this step's checkpoint."""
+    a = make_trainer(warm_up=False)
+    a.train_step(_groups())
+    a.save_adapter(tmp_path)
+    at_step_1 = _optimizer_tensors(a)
+    copying, release = threading.Event(), threading.Event()
+    real = checkpoint_module.host_copies
+
+    def held(named):
+        copying.set()
+        release.wait(30)
+        return real(named)
+
+    monkeypatch.setattr(checkpoint_module, "host_copies", held)
+    a.save_checkpoint(tmp_path, wait=False)
+    assert copying.wait(10), "the copy is made in the writer's thread"
+    update = threading.Thread(target=a.train_step, args=(_groups(),))
+    update.start()
+    update.join(3)
+    assert update.is_alive() and a.step == 1, "the update went on before the copy was made"
+    release.set()
+    update.join(60)
+    assert a.step == 2
+    a.wait_for_checkpoint()
+    b = make_trainer(warm_up=False)
+    b.load_checkpoint(tmp_path)
+    loaded = _optimizer_tensors(b)
+    assert b.step == 1 and all(torch.equal(loaded[k], at_step_1[k]) for k in at_step_1)
+
+
 def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still_rolls_back(
         make_trainer, tmp_path, monkeypatch, caplog):
     tr = make_trainer(warm_up=False)

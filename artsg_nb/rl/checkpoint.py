@@ -13,9 +13,10 @@ a write cut short (killed kernel, full disk) leaves a version that resume skips
 (lora.latest_checkpoint).
 
 `CheckpointWriter` (issue 26, reload <= 0.1 s): the server needs only the adapter, so the step
-saves the adapter, hands a `CheckpointSnapshot` (the optimizer state copied into CPU memory, a few
-milliseconds) to one background thread, and goes on to reload; the optimizer state, twice the
-adapter's size, is written while the next step's rollouts run. One write at a time, in order; a
+saves the adapter, hands one background thread the function that takes a `CheckpointSnapshot`
+(the optimizer state copied into CPU memory, ~10 ms from a GPU), and goes on to reload; the copy
+is made and the optimizer state, twice the adapter's size, written while the reload and the next
+step's rollouts run. The trainer's next optimizer step waits until the copy is made (`wait_taken`). One write at a time, in order; a
 failed write (a full disk: OSError, safetensors' error) is logged and its snapshot kept in memory, so
 a rollback to that version still works; any other exception is a bug and is raised where the writer
 is waited for.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,20 +152,36 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
-        self._newest: tuple[Path, CheckpointSnapshot, Callable[[], None] | None] | None = None  # kept until written
+        self._newest: tuple[Path, CheckpointSnapshot | None, Callable[[], None] | None] | None = None  # kept until written
+        self._taken: threading.Event | None = None  # set once the newest snapshot is copied
         self.failed: Path | None = None
         """The version folder whose checkpoint could not be written (its snapshot is kept)."""
 
-    def submit(self, snapshot: CheckpointSnapshot, version: str | Path, before: Callable[[], None] | None = None) -> None:
-        """Write `snapshot` into `version` in the background, after the write before it; `before()`
-        first, in the same thread (the adapter's checksum and flush to disk: lora.seal_version), so
-        the checkpoint is complete only once that is done. `before` failing for want of disk counts
-        as a failed write."""
+    def submit(self, take: Callable[[], CheckpointSnapshot], version: str | Path,
+               before: Callable[[], None] | None = None) -> None:
+        """In the background, after the write before it: `take()` (the snapshot, copied into CPU
+        memory: `wait_taken` tells when), then `before()` (the adapter's checksum and flush to
+        disk: lora.seal_version), then the snapshot written into `version`, so the checkpoint is
+        complete only once the seal is done. `before` failing for want of disk counts as a failed write."""
         self.wait()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-checkpoint")
-        self._newest, self.failed = (Path(version), snapshot, before), None
-        self._pending = self._pool.submit(write_checkpoint, snapshot, version, before)
+        self._newest, self.failed = (Path(version), None, before), None
+        self._taken = threading.Event()
+        self._pending = self._pool.submit(self._take_and_write, take, Path(version), before, self._taken)
+
+    def _take_and_write(self, take, version: Path, before, taken: threading.Event) -> None:
+        try:
+            snapshot = take()
+        finally:
+            taken.set()
+        self._newest = (version, snapshot, before)
+        write_checkpoint(snapshot, version, before)
+
+    def wait_taken(self) -> None:
+        """Block until the newest submitted snapshot has been copied (what it copies may change after)."""
+        if self._taken is not None:
+            self._taken.wait()
 
     def wait(self) -> None:
         """Block until the newest checkpoint is on disk. A write that failed for want of disk is

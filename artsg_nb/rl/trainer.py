@@ -239,7 +239,9 @@ class Trainer:
         return stats
 
     def optimizer_step(self) -> float:
-        """Clip the accumulated gradients, step AdamW, zero them; returns the gradient norm."""
+        """Clip the accumulated gradients, step AdamW, zero them; returns the gradient norm. First
+        waits for the checkpoint writer to have copied the optimizer state it was handed."""
+        self.checkpoints.wait_taken()
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm)
         self.optimizer.step()
@@ -440,23 +442,33 @@ class Trainer:
     def save_checkpoint(self, path: str | Path, wait: bool = True, before: Callable[[], None] | None = None) -> None:
         """Optimizer state, step and RNG into the `trainer/` folder of the version folder `path`
         (the adapter's; rl/checkpoint.py says why a folder of its own), after `before()` (the
-        adapter's seal: lora.seal_version). wait=False: copied now (milliseconds), written by a
-        background thread while the caller goes on (checkpoint.CheckpointWriter);
+        adapter's seal: lora.seal_version). wait=False: copied and written by a background thread
+        while the caller goes on (checkpoint.CheckpointWriter; `_snapshot_taker`);
         `wait_for_checkpoint`, `load_checkpoint` and `close` wait for it."""
-        snapshot = self.checkpoint_snapshot()
+        take = self._snapshot_taker()
         if wait:
             self.checkpoints.wait()  # in order: an earlier background write first
-            write_checkpoint(snapshot, path, before)
+            write_checkpoint(take(), path, before)
         else:
-            self.checkpoints.submit(snapshot, path, before)
+            self.checkpoints.submit(take, path, before)
 
     def checkpoint_snapshot(self) -> CheckpointSnapshot:
         """What `save_checkpoint` writes, copied into CPU memory now."""
-        tensors, meta = optimizer_to_tensors(self.optimizer)
-        tensors["rng.torch"] = torch.get_rng_state()
-        state = {"step": self.step, "optimizer": meta, "python_random": _jsonable(random.getstate()),
+        return self._snapshot_taker()()
+
+    def _snapshot_taker(self) -> Callable[[], CheckpointSnapshot]:
+        """`checkpoint_snapshot` in two halves: the step, RNG states and config are copied now; the
+        optimizer's tensors (twice the adapter: 39 MB for SmolLM2 r16, on the GPU) when the
+        function returned is called: by the checkpoint writer's thread, off the step's critical
+        path. The optimizer must not move before then: `optimizer_step` waits for it."""
+        rng = torch.get_rng_state()
+        state = {"step": self.step, "python_random": _jsonable(random.getstate()),
                  "trainer_config": _jsonable(asdict(self.cfg))}
-        return CheckpointSnapshot(tensors, state)
+
+        def take() -> CheckpointSnapshot:
+            tensors, meta = optimizer_to_tensors(self.optimizer)
+            return CheckpointSnapshot({**tensors, "rng.torch": rng}, {**state, "optimizer": meta})
+        return take
 
     def wait_for_checkpoint(self) -> None:
         """Block until the newest checkpoint (save_checkpoint(wait=False)) is on disk."""

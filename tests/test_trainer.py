@@ -119,16 +119,34 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(make_trainer):
 
 
 def test_save_adapter_writes_what_save_pretrained_writes(make_trainer, tmp_path):
+    """After each update, a rollback (load_checkpoint) and a parameter given new storage: the
+    adapter's state dict is built once and reused (trainer._adapter_state), and must still hold
+    the live weights."""
     import json
     from safetensors.torch import load_file
     tr = make_trainer()
+
+    def assert_saved_as_peft_does(name):
+        tr.save_adapter(tmp_path / name)
+        tr.model.save_pretrained(str(tmp_path / f"{name}-peft"), safe_serialization=True)
+        fast = load_file(tmp_path / name / "adapter_model.safetensors")
+        ref = load_file(tmp_path / f"{name}-peft" / "adapter_model.safetensors")
+        assert fast.keys() == ref.keys() and all(torch.equal(fast[k], ref[k]) for k in ref), name
+        assert (json.loads((tmp_path / name / "adapter_config.json").read_text())
+                == json.loads((tmp_path / f"{name}-peft" / "adapter_config.json").read_text()))
+        return fast
+
     tr.train_step(_groups())
-    tr.save_adapter(tmp_path / "fast")
-    tr.model.save_pretrained(str(tmp_path / "peft"), safe_serialization=True)
-    fast, ref = load_file(tmp_path / "fast/adapter_model.safetensors"), load_file(tmp_path / "peft/adapter_model.safetensors")
-    assert fast.keys() == ref.keys() and all(torch.equal(fast[k], ref[k]) for k in ref)
-    assert (json.loads((tmp_path / "fast/adapter_config.json").read_text())
-            == json.loads((tmp_path / "peft/adapter_config.json").read_text()))
+    first = assert_saved_as_peft_does("step1")
+    tr.save_checkpoint(tmp_path / "step1")
+    tr.train_step(_groups())
+    assert_saved_as_peft_does("step2")
+    tr.load_checkpoint(tmp_path / "step1")
+    rolled_back = assert_saved_as_peft_does("rolled-back")
+    assert all(torch.equal(first[k], rolled_back[k]) for k in first)
+    lora = next(p for p in tr.model.parameters() if p.requires_grad)
+    lora.data = lora.data + 1.0  # new storage: the reused state dict would still show the old one
+    assert_saved_as_peft_does("new-storage")
     assert tr.model.peft_config["default"].inference_mode is False  # training mode restored
 
 

@@ -134,6 +134,7 @@ class Trainer:
         """The fused logprob kernel in use (logprobs.py; None: the model's logits)."""
         self._fused_checked = self.logprob_kernel is None
         self._oom_budget: int | None = None  # a budget that ran out of memory: later ones stay below it
+        self._adapter_views: tuple[tuple[int, ...], dict] | None = None  # _adapter_state's (data_ptrs, state dict)
         log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(params))
         self.warm_up_s = self.warm_up() if cfg.warm_up else None
         """Seconds `warm_up` took when the trainer was built (None: TrainerConfig.warm_up off)."""
@@ -427,17 +428,32 @@ class Trainer:
         """PEFT adapter (adapter_config.json + adapter_model.safetensors) at `path`: the files
         `PeftModel.save_pretrained` writes, byte for byte in tensors and config, without its model
         card (README.md), which took 2/3 of the save (r16 on the tiny model: 200 → 60 ms on CPU)."""
-        from peft import get_peft_model_state_dict
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.model)
-        save_file(host_copies(state), str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_file(host_copies(self._adapter_state()), str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = self.model.peft_config["default"]
         inference_mode, config.inference_mode = config.inference_mode, True  # as save_pretrained writes it
         try:
             config.save_pretrained(str(path))
         finally:
             config.inference_mode = inference_mode
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """PEFT's state dict of the adapter (get_peft_model_state_dict: its keys, the live LoRA
+        weights), built once and reused while it views the trainable parameters themselves:
+        building it walks the whole model's state_dict, 26-38 ms for SmolLM2 under Unsloth on an
+        H100 (2026-12-06), half of the adapter's save. Built again when a trainable parameter's
+        storage has changed; never reused when PEFT returned anything but views of them."""
+        from peft import get_peft_model_state_dict
+        live = tuple(p.data_ptr() for p in self.model.parameters() if p.requires_grad)
+        if self._adapter_views is not None and self._adapter_views[0] == live:
+            return self._adapter_views[1]
+        state = get_peft_model_state_dict(self.model)
+        ptrs = set(live)
+        views = all(t.data_ptr() in ptrs and t.numel() == t.untyped_storage().nbytes() // t.element_size()
+                    for t in state.values())
+        self._adapter_views = (live, state) if views else None
+        return state
 
     def save_checkpoint(self, path: str | Path, wait: bool = True, before: Callable[[], None] | None = None) -> None:
         """Optimizer state, step and RNG into the `trainer/` folder of the version folder `path`

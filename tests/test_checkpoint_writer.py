@@ -11,12 +11,14 @@ import errno
 import logging
 import random
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from artsg_nb.rl import checkpoint as checkpoint_module
+from artsg_nb.rl import trainer as trainer_module
 from artsg_nb.rl.trainer import WARM_UP_SHAPES, Trainer, TrainerConfig
 from artsg_nb.rl import lora as lora_module
 from artsg_nb.rl.lora import latest_checkpoint, load_version
@@ -130,30 +132,63 @@ def test_the_next_update_waits_until_the_writer_has_copied_the_optimizer(make_tr
     a = make_trainer(warm_up=False)
     a.train_step(_groups())
     a.save_adapter(tmp_path)
-    at_step_1 = _optimizer_tensors(a)
-    copying, release = threading.Event(), threading.Event()
-    real = checkpoint_module.host_copies
+    at_step_1, lr_at_step_1 = _optimizer_tensors(a), a.optimizer.param_groups[0]["lr"]
+    copying, release, stepped_before_release = threading.Event(), threading.Event(), []
+    real_copies, real_step = trainer_module.host_copies, a.optimizer.step
 
-    def held(named):
+    def held_copies(named):
         copying.set()
         release.wait(30)
-        return real(named)
+        return real_copies(named)
 
-    monkeypatch.setattr(checkpoint_module, "host_copies", held)
+    def recording_step(*args, **kwargs):
+        stepped_before_release.append(not release.is_set())
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "host_copies", held_copies)
+    monkeypatch.setattr(a.optimizer, "step", recording_step)
     a.save_checkpoint(tmp_path, wait=False)
     assert copying.wait(10), "the copy is made in the writer's thread"
+    a.optimizer.param_groups[0]["lr"] = 0.5  # e.g. an override restored after the step (art.backend)
     update = threading.Thread(target=a.train_step, args=(_groups(),))
     update.start()
-    update.join(3)
-    assert update.is_alive() and a.step == 1, "the update went on before the copy was made"
+    for _ in range(50):  # time for an update that nothing holds to reach its optimizer step
+        if stepped_before_release or not update.is_alive():
+            break
+        time.sleep(0.1)
     release.set()
     update.join(60)
-    assert a.step == 2
+    assert stepped_before_release == [False], "the update stepped the optimizer before the copy was made"
     a.wait_for_checkpoint()
     b = make_trainer(warm_up=False)
     b.load_checkpoint(tmp_path)
     loaded = _optimizer_tensors(b)
     assert b.step == 1 and all(torch.equal(loaded[k], at_step_1[k]) for k in at_step_1)
+    assert b.optimizer.param_groups[0]["lr"] == lr_at_step_1, "the checkpoint holds the lr of its own step"
+
+
+def test_a_failed_copy_is_raised_before_the_next_update_moves_anything(make_trainer, tmp_path, monkeypatch):
+    tr = make_trainer(warm_up=False)
+    tr.train_step(_groups())
+    tr.save_adapter(tmp_path)
+    before = _optimizer_tensors(tr)
+
+    def out_of_memory(named):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(trainer_module, "host_copies", out_of_memory)
+    tr.save_checkpoint(tmp_path, wait=False)
+    with pytest.raises(RuntimeError, match="simulated"):
+        tr.train_step(_groups())
+    assert tr.step == 1 and all(torch.equal(v, before[k]) for k, v in _optimizer_tensors(tr).items())
+    assert not checkpoint_module.is_complete(tmp_path)
+
+
+def test_a_closed_writer_refuses_new_checkpoints(make_trainer, tmp_path):
+    tr = make_trainer(warm_up=False)
+    tr.close()
+    with pytest.raises(checkpoint_module.CheckpointError, match="closed"):
+        tr.save_checkpoint(tmp_path, wait=False)
 
 
 def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still_rolls_back(

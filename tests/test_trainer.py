@@ -138,6 +138,7 @@ def test_save_adapter_writes_what_save_pretrained_writes(make_trainer, tmp_path)
 
     tr.train_step(_groups())
     first = assert_saved_as_peft_does("step1")
+    assert tr._adapter_views is not None, "the state dict is kept for the next save"
     tr.save_checkpoint(tmp_path / "step1")
     tr.train_step(_groups())
     assert_saved_as_peft_does("step2")

@@ -16,7 +16,8 @@ a write cut short (killed kernel, full disk) leaves a version that resume skips
 saves the adapter, hands one background thread the function that takes a `CheckpointSnapshot`
 (the optimizer state copied into CPU memory, ~10 ms from a GPU), and goes on to reload; the copy
 is made and the optimizer state, twice the adapter's size, written while the reload and the next
-step's rollouts run. The trainer's next optimizer step waits until the copy is made (`wait_taken`). One write at a time, in order; a
+step's rollouts run. The trainer's next optimizer step waits until the copy is made
+(`wait_taken`), and a copy that failed raises there. One write at a time, in order; a
 failed write (a full disk: OSError, safetensors' error) is logged and its snapshot kept in memory, so
 a rollback to that version still works; any other exception is a bug and is raised where the writer
 is waited for.
@@ -25,6 +26,7 @@ What it does not do: decide what is saved when (trainer.py, lora.py, run/session
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -99,6 +101,15 @@ def host_copies(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(tensors copied into CPU memory, meta): what optimizer.safetensors and the state file's
+    `optimizer` entry hold."""
+    tensors, meta = optimizer_state(opt)
+    return host_copies(tensors), meta
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(the optimizer's live state tensors, meta: its param groups and scalars, copied now): the
+    cheap half of `optimizer_to_tensors`; the tensors change with the next optimizer step."""
     sd = opt.state_dict()
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
@@ -107,7 +118,7 @@ def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
                 tensors[f"state.{pid}.{k}"] = v
             else:
                 scalars[f"{pid}.{k}"] = v
-    return host_copies(tensors), {"param_groups": sd["param_groups"], "scalars": scalars}
+    return tensors, copy.deepcopy({"param_groups": sd["param_groups"], "scalars": scalars})
 
 
 def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
@@ -153,7 +164,8 @@ class CheckpointWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._newest: tuple[Path, CheckpointSnapshot | None, Callable[[], None] | None] | None = None  # kept until written
-        self._taken: threading.Event | None = None  # set once the newest snapshot is copied
+        self._taken: threading.Event | None = None  # set once the newest snapshot is copied (or its copy failed)
+        self._closed = False
         self.failed: Path | None = None
         """The version folder whose checkpoint could not be written (its snapshot is kept)."""
 
@@ -163,6 +175,9 @@ class CheckpointWriter:
         memory: `wait_taken` tells when), then `before()` (the adapter's checksum and flush to
         disk: lora.seal_version), then the snapshot written into `version`, so the checkpoint is
         complete only once the seal is done. `before` failing for want of disk counts as a failed write."""
+        if self._closed:
+            raise CheckpointError(f"the checkpoint of {Path(version).name} was not written: its trainer is closed "
+                                  "(GRPORun.stop()). Try: start() the run again, resume=True continues it")
         self.wait()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artsg-checkpoint")
@@ -170,18 +185,23 @@ class CheckpointWriter:
         self._taken = threading.Event()
         self._pending = self._pool.submit(self._take_and_write, take, Path(version), before, self._taken)
 
-    def _take_and_write(self, take, version: Path, before, taken: threading.Event) -> None:
+    def _take_and_write(self, take: Callable[[], CheckpointSnapshot], version: Path,
+                        before: Callable[[], None] | None, taken: threading.Event) -> None:
         try:
             snapshot = take()
+            self._newest = (version, snapshot, before)
         finally:
             taken.set()
-        self._newest = (version, snapshot, before)
         write_checkpoint(snapshot, version, before)
 
     def wait_taken(self) -> None:
-        """Block until the newest submitted snapshot has been copied (what it copies may change after)."""
-        if self._taken is not None:
-            self._taken.wait()
+        """Block until the newest submitted snapshot has been copied (what it copies may change
+        after). A copy that failed raises its error here, before the caller changes anything."""
+        if self._taken is None:
+            return
+        self._taken.wait()
+        if self._newest is not None and self._newest[1] is None:  # take() raised: wait() raises it
+            self.wait()
 
     def wait(self) -> None:
         """Block until the newest checkpoint is on disk. A write that failed for want of disk is
@@ -231,7 +251,8 @@ class CheckpointWriter:
         self.failed = self._newest = None
 
     def close(self) -> None:
-        """Wait for the newest write, then stop the thread."""
+        """Wait for the newest write, then stop the thread; later submits are refused."""
+        self._closed = True
         try:
             self.wait()
         finally:

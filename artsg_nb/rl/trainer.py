@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 # (trainer._load_unsloth). Importing artsg_nb.run.session therefore imports none of them.
 from ..rollout.trajectory import is_trainable
 from .checkpoint import (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE, CheckpointError, CheckpointSnapshot,
-                         CheckpointWriter, checkpoint_dir, host_copies, optimizer_from_tensors, optimizer_to_tensors,
+                         CheckpointWriter, checkpoint_dir, host_copies, optimizer_from_tensors, optimizer_state,
                          read_checkpoint_file, write_checkpoint)
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
 from .logprobs import fusable, fused_kernel, text_config, token_logprobs
@@ -477,13 +477,13 @@ class Trainer:
         optimizer's tensors (twice the adapter: 39 MB for SmolLM2 r16, on the GPU) when the
         function returned is called: by the checkpoint writer's thread, off the step's critical
         path. The optimizer must not move before then: `optimizer_step` waits for it."""
-        rng = torch.get_rng_state()
-        state = {"step": self.step, "python_random": _jsonable(random.getstate()),
+        live, meta = optimizer_state(self.optimizer)  # param groups (the lr) and scalars: as they are now
+        state = {"step": self.step, "optimizer": meta, "python_random": _jsonable(random.getstate()),
                  "trainer_config": _jsonable(asdict(self.cfg))}
+        rng = torch.get_rng_state()
 
         def take() -> CheckpointSnapshot:
-            tensors, meta = optimizer_to_tensors(self.optimizer)
-            return CheckpointSnapshot({**tensors, "rng.torch": rng}, {**state, "optimizer": meta})
+            return CheckpointSnapshot({**host_copies(live), "rng.torch": rng}, state)
         return take
 
     def wait_for_checkpoint(self) -> None:

@@ -3,6 +3,7 @@ update, so each step from the second trains on rollouts one adapter version old 
 with the same prompts as a synchronous run and truncated IS against the server's logprobs; it
 learns like the synchronous run; it refuses release_memory; stop() leaves no rollout running."""
 import asyncio
+import errno
 import os
 import signal
 import threading
@@ -37,8 +38,8 @@ def test_steps_train_on_rollouts_of_the_previous_adapter(tiny_model_dir, tmp_pat
         saves = []  # per save: (in a worker thread, the step still waiting for the rollouts ahead)
         real_save = run._save_served
 
-        def recording_save():
-            saves.append((threading.current_thread() is not threading.main_thread(), run._ahead_task is not None))
+        def recording_save():  # (in a worker thread, before the step has collected the rollouts ahead)
+            saves.append((threading.current_thread() is not threading.main_thread(), run._ahead is None))
             return real_save()
 
         run.trainer.train_step, run._save_served = recording, recording_save
@@ -152,3 +153,52 @@ def test_resumed_pipelined_run_rolls_out_its_first_step_afresh(tiny_model_dir, t
         row = asyncio.run(run.step())
         assert row["step"] == 3 and row["staleness"] == 0
         assert list(run.history.df["staleness"]) == [0, 1, 0]
+
+
+def test_a_step_cancelled_after_its_early_save_rolls_back_even_to_a_checkpoint_kept_in_memory(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """Step 1's checkpoint cannot be written (full disk at its seal): it is kept in memory. Step 2
+    is interrupted while its rollouts ahead still run, after its update: the trainer returns to
+    step 1 (so step 2 is saved after the rollouts ahead, not beside them, while step 1 is only in
+    memory), and the step can simply be run again."""
+    import artsg_nb.run.session as session_module
+    real_seal = session_module.seal_version
+
+    def seal(version):
+        if version.step == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_seal(version)
+
+    monkeypatch.setattr(session_module, "seal_version", seal)
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        asyncio.run(run.step())
+        updated = threading.Event()
+        real_train, real_rollouts = run.trainer.train_step, run._rollouts
+
+        def recording_train(groups):
+            metrics = real_train(groups)
+            updated.set()
+            return metrics
+
+        async def slow_rollouts(step):
+            if step == 3:
+                await asyncio.sleep(30)  # still running when the step is interrupted
+            return await real_rollouts(step)
+
+        run.trainer.train_step, run._rollouts = recording_train, slow_rollouts
+
+        async def interrupt_after_the_update():
+            step = asyncio.ensure_future(run.step())
+            while not updated.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            step.cancel()
+            await asyncio.wait([step])
+            return step
+
+        assert asyncio.run(interrupt_after_the_update()).cancelled()
+        assert run.trainer.step == 1 and run.adapter == "policy-step-1"
+        run._rollouts = real_rollouts
+        row = asyncio.run(run.step())
+        assert row["step"] == 2 and run.adapter == "policy-step-2"
+

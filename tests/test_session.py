@@ -83,3 +83,22 @@ def test_the_served_adapter_is_checked_first_on_each_server_then_every_verify_ev
     run.cfg = replace(run.cfg, verify_adapter=False)
     run._verified_on_server = None
     assert due() == []
+
+
+def test_a_scrape_the_parser_refuses_costs_the_dashboard_one_window_not_the_step(tiny_model_dir, tmp_path):
+    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
+                    run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=2, verbose=False)
+    with GRPORun(cfg) as run:
+        asyncio.run(run.step())
+        real = run.client.metrics_text
+
+        async def cut_short():  # a body cut mid-line: prometheus_client raises ValueError
+            text = await real()
+            return text[:text.index("\nsglang:prompt_tokens_total") + 40]
+
+        run.client.metrics_text = cut_short
+        row = asyncio.run(run.step())
+        run.client.metrics_text = real
+        assert row["step"] == 2 and run.adapter == "policy-step-2"
+        assert list(run.history.df["step"]) == [1, 2]
+

@@ -3,7 +3,7 @@
 What it does: `SampleAhead` supplies the two halves of a step that pipelining changes.
 `rollouts(step)` returns the step's groups: those sampled ahead during the previous update when
 they are for this step, else a fresh synchronous rollout (the first step, a resumed run, a step
-after a skipped update or an error). `train(groups, step, update, release)` starts the rollouts of
+after a skipped update or an error). `train(groups, step, update, release, save)` starts the rollouts of
 step+1 as an asyncio task on the server (under the newest published adapter, the one the update
 starts from) and runs the trainer's update in a worker thread meanwhile, then, in the same thread,
 saves the new adapter version (a 256-token step's rollouts outlast its update by ~0.5 s on an
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -104,7 +105,7 @@ class SampleAhead:
             self.row["ahead_wait_s"] = time.perf_counter() - t1
         except BaseException:
             await self._cancel_ahead()
-            if trained:  # cancelled while waiting: the update was not saved, so it is undone
+            if trained:  # cancelled while waiting: the update is not served, so it is undone
                 self._roll_back(before)
             raise
         finally:
@@ -113,16 +114,21 @@ class SampleAhead:
 
     async def _train_in_thread(self, groups, before: int, save) -> tuple:
         """(metrics, train_s, saved): trainer.train_step, then `save()`, in a worker thread, so the
-        event loop keeps sampling meanwhile. A `save` that fails undoes the update itself."""
+        event loop keeps sampling meanwhile. A `save` that fails undoes the update itself; once the
+        step is cancelled nothing more is saved."""
+        cancelled = threading.Event()
+
         def work():
             t0 = time.perf_counter()
             metrics = self.trainer.train_step(groups)
-            return metrics, time.perf_counter() - t0, save() if save is not None else None
+            train_s = time.perf_counter() - t0
+            return metrics, train_s, save() if save is not None and not cancelled.is_set() else None
 
         update = asyncio.ensure_future(asyncio.to_thread(work))
         try:
             return await asyncio.shield(update)
         except asyncio.CancelledError:
+            cancelled.set()
             await asyncio.wait([update])  # the thread cannot be stopped: let it finish, then undo it
             if update.exception() is None:
                 self._roll_back(before)
@@ -132,7 +138,9 @@ class SampleAhead:
         """The trainer back to the saved version `step` (weights, optimizer, step, RNG): the version
         this trainer saved itself, so no checksum is asked of it (its seal may still be under way in
         the checkpoint writer, or have failed for want of disk: load_checkpoint then restores it
-        from memory)."""
+        from memory, which the session's `save` keeps by not saving ahead then). A version the
+        cancelled update saved stays on disk unserved, without a history row: resume never takes
+        it, and the step's redo replaces it."""
         self.trainer.load_checkpoint(self.run_dir / "adapters" / adapter_name(step))
         log.warning("step %d cancelled during its update; trainer rolled back to step %d", step + 1, step)
 

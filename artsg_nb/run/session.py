@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..files import write_atomic
 from ..rl.distributed import make_trainer
-from ..engines import EngineError, SamplingParams
+from ..engines import SamplingParams
 from ..rollout.evaluate import evaluate, history_fields
 from ..rl.export import export_adapter, export_merged
 from ..serving.gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
@@ -38,7 +38,7 @@ from .history import History, step_row
 from ..rl.lora import (AdapterPublisher, AdapterSaveError, AdapterVersion, MaskedScorer, latest_checkpoint,
                        probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic,
                        seal_version)
-from ..serving.metrics import HitRateTracker, MetricsError, served_hit_rate
+from ..serving.metrics import HitRateTracker, served_hit_rate
 from ..models.pretrained import base_model_id, built_model_dir
 from .pipeline import SampleAhead
 from ..view.plots import LiveTraining, load_rollouts, plot_training
@@ -255,9 +255,9 @@ class GRPORun:
             await self.client.check_memory_saver(self.cfg.release_tags)
         await self.supervisor.with_restarts(self.supervisor.publish, self._initial)
         self._published = True
-        # The dashboard's windows run from one step's rollouts to the next (the adapter probe
-        # between them adds a few hundred prompt tokens); this is the first window's start.
-        self.tracker.add_sample(await self.client.metrics_text())
+        # The dashboard's windows run from one step's reload to the next (the step's rollouts, and
+        # the adapter probe or an evaluation beside them); this is the first window's start.
+        await self._scrape_metrics()
 
     def _write_unwritten_row(self) -> None:
         if self._unwritten_row is not None:  # the last step completed but its row was not written
@@ -272,7 +272,7 @@ class GRPORun:
         log.info("step %d: %d groups in %.2f s; update%s", step, len(groups), rollout_s,
                  " (server memory released around it)" if self.release else "")
         train = lambda gs, step: self.sampler.train(gs, step, self._train, self.release,  # noqa: E731
-                                                    self._save_new_version)
+                                                    self._save_ahead)
         return await self._update(step, groups, hit_rate, rollout_s, train)
 
     async def _update(self, step: int, groups, hit_rate, rollout_s, train) -> dict:
@@ -289,14 +289,16 @@ class GRPORun:
             scrape = asyncio.ensure_future(self._scrape_metrics())  # sent while the reload waits on the server
             try:
                 version, reload_s, probe = await self._save_and_reload(groups, saved)
-            finally:
-                await scrape
+            except BaseException:
+                scrape.cancel()
+                raise
+            await scrape
         row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
                        memory_s, self.restarts)
         row.update(self.sampler.row)  # staleness, ahead_wait_s when pipelining
         if self.cfg.eval_every and step % self.cfg.eval_every == 0:
             row.update(history_fields(await self.evaluate(n=self.cfg.eval_n)))
-        row.update(self.server.worker_stats())  # a fleet's per-worker hit rate and load of this step's rollouts
+        row.update(self.server.worker_stats())  # a fleet's per-worker hit rate and load since the last step's scrape
         self._write_row(row)
         self.trackers.log(row)
         prune_adapters(self.run_dir / "adapters", self.cfg.keep_adapters, self.cfg.keep_every,
@@ -456,8 +458,9 @@ class GRPORun:
         scrape leaves this window out: the step and its row do not depend on it."""
         try:
             self.tracker.add_sample(await self.client.metrics_text())
-        except (EngineError, MetricsError) as e:
-            log.warning("/metrics scrape failed (%s); the dashboard's hit-rate window skips it", e)
+        except Exception as e:  # noqa: BLE001 — a server error, or text the parser refuses (ValueError)
+            log.warning("/metrics scrape failed (%s: %s); the dashboard's hit-rate window skips it",
+                        type(e).__name__, e)
 
     async def _collect(self, seeds: list[int], schedule: str, sampling_seed_base: int | None = None):
         """The run's collect_groups call: its task, tokenizer, group size, sampling and budget."""
@@ -468,6 +471,16 @@ class GRPORun:
                                     params, adapter=self.adapter, concurrency=cfg.concurrency,
                                     schedule=resolve_schedule(schedule, self.task.max_turns),
                                     max_seq_tokens=cfg.max_seq_tokens, sampling_seed_base=sampling_seed_base)
+
+    def _save_ahead(self) -> tuple[AdapterVersion, float] | None:
+        """`_save_new_version`, run by a pipelined step in its update's worker thread while the next
+        rollouts still run; None (the save then comes after them, in `_save_and_reload`) while the
+        served version's checkpoint is only in memory (its write failed for want of disk): a
+        cancelled step rolls back to that version, and the next checkpoint would let it go."""
+        self.trainer.wait_for_checkpoint()
+        if self.trainer.checkpoints.failed is not None:
+            return None
+        return self._save_new_version()
 
     def _save_new_version(self) -> tuple[AdapterVersion, float]:
         """(version, seconds): the update's adapter saved as a new version (`_save_served`). A save

@@ -10,13 +10,14 @@ has the handful of `server.Server` methods GRPORun uses (`alive`, `restart`, `cl
     and unloads, cache flushes, memory release/resume fan out to every worker and return only
     when all have answered, so a version is used only once every worker serves it (the router
     does not forward /load_lora_adapter); `metrics_text()` scrapes every worker and returns one
-    text whose prompt/cached counters are the sums (monotonic across worker restarts), so the
-    run's hit rate is Σcached/Σprompt;
+    text whose prompt/cached counters are the sums (monotonic across worker restarts), for the
+    dashboard's cumulative hit rate;
   - `restart()` restarts only the dead workers (same port when free, else the router is
     restarted with the new URLs) and the router if it died; a worker that will not start again
     is dropped with a warning while one remains (`drop_dead()` drops without trying);
   - `worker_stats()`: per worker, the hit rate and prompt tokens between the last two scrapes
-    (the session scrapes before and after each step's rollouts): history columns
+    (the session scrapes once a step, beside the reload, so a window is one step's rollouts
+    plus the probe or an evaluation beside them): history columns
     `worker_hit_rates`, `worker_prompt_tokens`.
 
 With one config no router is started and `client()` is that server's own client.

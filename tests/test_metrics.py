@@ -96,6 +96,13 @@ def test_wrong_engine_text_is_an_error():
         cache_counters(fixture("metrics.txt"), "vllm")
     with pytest.raises(ValueError, match="unknown engine"):
         cache_counters(fixture("metrics.txt"), "tgi")
+    with pytest.raises(MetricsError, match="no sglang:"):  # named only in a comment: not SGLang's text
+        cache_counters("# HELP sglang:prompt_tokens_total is SGLang's\n" + VLLM_METRICS, "sglang")
+
+
+def test_indented_sample_lines_are_read_as_the_parser_reads_them():
+    text = "  sglang:prompt_tokens_total 10.0\n  sglang:cached_tokens_total 4.0\n"
+    assert cache_counters(text, "sglang") == CacheCounters(10.0, 4.0)
 
 
 @pytest.mark.parametrize("before, after, expected", [

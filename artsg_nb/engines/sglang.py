@@ -39,6 +39,7 @@ What it does not do: anything engine-neutral (base.py), or start the process (se
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import replace
@@ -84,9 +85,14 @@ SmolLM2 skips it below ~530-token prompts (8 copies), a 1.5B model below ~50, an
 
 def weight_bytes(model: str) -> int | None:
     """Bytes of the `*.safetensors` weights in the local model folder `model`; None when `model`
-    is not a local folder with safetensors (a hub id, another format)."""
+    is not a local folder with safetensors (a hub id, another format) or is quantized (its
+    config.json has a `quantization_config`: fewer bytes than FLOPs, which would skip warm-ups
+    that pay)."""
     folder = Path(model)
     files = list(folder.glob("*.safetensors")) if folder.is_dir() else []
+    config = folder / "config.json"
+    if config.is_file() and "quantization_config" in json.loads(config.read_text()):
+        return None
     return sum(f.stat().st_size for f in files) or None
 
 
@@ -111,7 +117,8 @@ class SGLangClient(EngineClient):
     samples together — but as requests whose references balance: the warm-up is a plain n = 1
     request, and the n samples are n copies of the prompt (n = 1 each, sample j seeded seed + j as
     native n does). Same samples, same prefix hits. Where the copies' prefill is cheaper than the
-    warm-up's round trip (a small model, a short prompt: `warm_up_pays`), the warm-up is left out.
+    warm-up's round trip (a small model, a short prompt: `warm_up_pays`), the warm-up is left out:
+    the same samples, and the copies' prompts computed, not reused.
 
     The warm-ups and samples of the n > 1 requests made in one event-loop tick go as one batch
     request each (batching.py): a step's groups send one warm-up batch, then one batch of every
@@ -164,8 +171,9 @@ class SGLangClient(EngineClient):
         return [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
 
     async def _generate_balanced(self, input_ids, params, adapter) -> list[Generation]:
-        """n samples as a warm-up (n = 1, no new tokens) then n single samples (see the class),
-        which the batcher sends together with the other groups' of this tick."""
+        """n samples as a warm-up (n = 1, no new tokens; only where it pays: `warm_up_pays`) then n
+        single samples (see the class), which the batcher sends together with the other groups' of
+        this tick."""
         if self.warm_up_pays(len(input_ids), params.n):
             warm_up = self._generate_payload(input_ids, replace(params, n=1, max_new_tokens=0, seed=None), adapter)
             await self._post_one({**warm_up, "return_logprob": False})

@@ -10,7 +10,8 @@ values, and read the token counters the hit rate comes from:
   vllm:gpu_prefix_cache_* names are accepted too).
 
 `hit_rate(before, after)` is the rate over a window (two scrapes); `HitRateTracker` keeps
-timestamped scrapes for the dashboard's trend and the per-step numbers.
+timestamped scrapes for the dashboard's trend. A step's own `hit_rate` is `served_hit_rate`: the
+counts the server sent with each answer, no scrape.
 
 The counter names are each engine's (engines.get(name).prompt_counters / cached_counters).
 
@@ -60,8 +61,8 @@ def parse_metrics(text: str, names: Iterable[str] | None = None) -> dict[str, fl
 def _sample_lines(text: str, names: frozenset[str]) -> str:
     """The sample lines of `text` whose sample name is in `names` (without their # HELP / # TYPE
     lines, so each parses as an untyped family of that sample's own name: the same name and value)."""
-    keep = [line for line in text.splitlines()
-            if line and not line.startswith("#") and _SAMPLE_NAME.match(line).group(0) in names]
+    lines = (line.lstrip() for line in text.splitlines())
+    keep = [line for line in lines if line and not line.startswith("#") and _SAMPLE_NAME.match(line).group(0) in names]
     return "\n".join(keep) + "\n"
 
 
@@ -81,7 +82,7 @@ class CacheCounters:
 def cache_counters(text: str, engine: str) -> CacheCounters:
     """Read the hit-rate counters of `engine` ("sglang", "cpu" or "vllm") from /metrics text."""
     spec = engines.get(engine)
-    if spec.metric_prefix not in text:
+    if not any(line.lstrip().startswith(spec.metric_prefix) for line in text.splitlines()):
         raise MetricsError(
             f"no {spec.metric_prefix}* metric in the /metrics text: is this a {engine} server, and was it "
             "started with metrics on (SGLang: --enable-metrics; vLLM: without --disable-log-stats)?")

@@ -79,6 +79,21 @@ def test_the_warm_up_is_left_out_where_prefilling_the_copies_costs_less(tmp_path
     assert all(b["lora_path"] == "a" for b in bodies)
 
 
+@pytest.mark.parametrize("case", ["cpu engine", "quantized"])
+def test_the_warm_up_stays_where_its_cost_is_not_known_to_be_less(tmp_path, case):
+    # The CPU engine's prefill is dear (warm_up_from_flop 0: always); a quantized model's bytes
+    # undercount its FLOPs.
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    os.truncate(tmp_path / "model.safetensors", 270_000_000)
+    if case == "quantized":
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    client, bodies = recording_client(engine="cpu" if case == "cpu engine" else "sglang", model=str(tmp_path))
+    if case == "cpu engine":
+        client.lora_n_problem = lora_n_problem  # the CPU engine balancing as on SGLang
+    asyncio.run(client.generate(list(range(1, 41)), SamplingParams(max_new_tokens=5, n=8, seed=1), adapter="a"))
+    assert bodies[0]["sampling_params"]["max_new_tokens"] == 0, "no warm-up was sent"
+
+
 def test_native_n_where_it_is_safe():
     client, bodies = recording_client()  # no adapter: no reference is counted
     asyncio.run(client.generate([1, 2, 3], SamplingParams(n=4)))

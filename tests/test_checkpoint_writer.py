@@ -53,7 +53,7 @@ def _lora(tr):
 
 
 def _optimizer_tensors(tr):
-    return {k: v.clone() for k, v in checkpoint_module.optimizer_to_tensors(tr.optimizer)[0].items()}
+    return {k: v.clone() for k, v in checkpoint_module.optimizer_state(tr.optimizer)[0].items()}
 
 
 # ---- warm-up ---------------------------------------------------------------------------------

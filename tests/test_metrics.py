@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from artsg_nb.serving.metrics import (TURN_COLUMNS, CacheCounters, HitRateTracker, MetricsError, cache_counters,
-                              cumulative_hit_rate, hit_rate, parse_metrics, served_hit_rate, theoretical_hit_rate, turn_hit_rates)
-from artsg_nb.rollout.trajectory import Trajectory, TrajectoryGroup
+                              cumulative_hit_rate, hit_rate, parse_metrics, theoretical_hit_rate, turn_hit_rates)
+from artsg_nb.rollout.trajectory import Trajectory, TrajectoryGroup, rollout_stats
 from sglang_fixtures import fixture
 
 # vLLM exposition: counters declared without _total, samples with it; labels model_name, engine.
@@ -64,13 +64,13 @@ def test_parse_metrics_of_named_samples_reads_only_those_with_the_same_values():
     assert parse_metrics(text, ["sglang:no_such_counter_total"]) == {}
 
 
-def test_served_hit_rate_sums_what_the_server_reported_for_every_episode():
+def test_the_step_hit_rate_sums_what_the_server_reported_for_every_episode():
     ok = Trajectory(messages=[], token_ids=[1, 2, 3], completion_mask=[0, 0, 1], logprobs=[0.0, 0.0, -1.0],
                     prompt_tokens=30, cached_tokens=20)
     failed = Trajectory(messages=[], token_ids=[1], completion_mask=[0], logprobs=[0.0], prompt_tokens=10, cached_tokens=0,
                         error="x")
-    assert served_hit_rate([TrajectoryGroup(0, [ok]), TrajectoryGroup(1, [failed])]) == pytest.approx(20 / 40)
-    assert served_hit_rate([TrajectoryGroup(0, [])]) is None
+    assert rollout_stats([TrajectoryGroup(0, [ok]), TrajectoryGroup(1, [failed])])["hit_rate"] == pytest.approx(20 / 40)
+    assert rollout_stats([TrajectoryGroup(0, [])])["hit_rate"] is None
 
 
 def test_vllm_counters_sum_over_engines():

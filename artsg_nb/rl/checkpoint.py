@@ -100,16 +100,10 @@ def host_copies(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: out[name] for name in named}
 
 
-def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(tensors copied into CPU memory, meta): what optimizer.safetensors and the state file's
-    `optimizer` entry hold."""
-    tensors, meta = optimizer_state(opt)
-    return host_copies(tensors), meta
-
-
 def optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(the optimizer's live state tensors, meta: its param groups and scalars, copied now): the
-    cheap half of `optimizer_to_tensors`; the tensors change with the next optimizer step."""
+    """(the optimizer's live state tensors, meta: its param groups and scalars, copied now): what
+    optimizer.safetensors (once `host_copies` has copied the tensors: they change with the next
+    optimizer step) and the state file's `optimizer` entry hold."""
     sd = opt.state_dict()
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():

@@ -80,11 +80,12 @@ class SampleAhead:
 
     async def train(self, groups, step: int, update, release: bool, save: Callable[[], tuple] | None = None):
         """(metrics, train_s, (release_s, resume_s), saved): `update(groups)` (the synchronous
-        update, when not pipelining; saved None), or the trainer's update overlapped with step+1's
-        rollouts, followed in its worker thread by `save()` (the new adapter version written while
-        those rollouts still run; saved is what it returned, None without `save`)."""
+        update, when not pipelining: it returns the same, saved None), or the trainer's update
+        overlapped with step+1's rollouts, followed in its worker thread by `save()` (the new
+        adapter version written while those rollouts still run; saved is what it returned, None
+        without `save`)."""
         if not self.pipeline:
-            return (*await update(groups), None)
+            return await update(groups)
         if release:
             raise ValueError("pipeline=True with release_memory: the server cannot give its memory back while "
                              "it samples the next step's rollouts. Turn one of them off (run.release = False).")

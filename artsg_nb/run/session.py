@@ -38,7 +38,7 @@ from .history import History, step_row
 from ..rl.lora import (AdapterPublisher, AdapterSaveError, AdapterVersion, MaskedScorer, latest_checkpoint,
                        probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic,
                        seal_version)
-from ..serving.metrics import HitRateTracker, served_hit_rate
+from ..serving.metrics import HitRateTracker
 from ..models.pretrained import base_model_id, built_model_dir
 from .pipeline import SampleAhead
 from ..view.plots import LiveTraining, load_rollouts, plot_training
@@ -46,7 +46,7 @@ from ..serving.procs import RunDirLock
 from .released import train_released
 from .retention import prune_adapters
 from ..rollout.groups import collect_groups
-from ..rollout.trajectory import require_rewards
+from ..rollout.trajectory import require_rewards, rollout_stats
 from .config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
                      check_resumable, config_record, resolve_release, resolve_schedule)
 from ..rollout.samples import constant_groups, read_samples, write_rollouts
@@ -271,7 +271,7 @@ class GRPORun:
         groups, hit_rate, rollout_s = await self.sampler.rollouts(step)  # pipeline.py: maybe sampled ahead
         log.info("step %d: %d groups in %.2f s; update%s", step, len(groups), rollout_s,
                  " (server memory released around it)" if self.release else "")
-        train = lambda gs, step: self.sampler.train(gs, step, self._train, self.release,  # noqa: E731
+        train = lambda gs, step: self.sampler.train(gs, step, self._train_unsaved, self.release,  # noqa: E731
                                                     self._save_ahead)
         return await self._update(step, groups, hit_rate, rollout_s, train)
 
@@ -441,16 +441,16 @@ class GRPORun:
         return await train_released(self.trainer, groups, self.supervisor, self.release, self.cfg.release_tags)
 
     async def _train_unsaved(self, groups) -> tuple[dict, float, tuple, None]:
-        """`_train`, as SampleAhead.train returns it: nothing saved yet."""
+        """`_train`, as SampleAhead.train returns it (metrics, train_s, memory seconds, saved): nothing saved yet."""
         return (*await self._train(groups), None)
 
     async def _rollouts(self, step: int):
         """(groups, hit rate) of `step`'s rollouts; the rate is the server's own count per request
-        (metrics.served_hit_rate): no /metrics round trip before or after them."""
+        (rollout.trajectory.rollout_stats): no /metrics round trip before or after them."""
         await self.supervisor.check_served(self.trainer.step)
         groups = await self._collect(self._seeds(step), self.cfg.schedule, self._sampling_seed_base(step))
         await self.supervisor.raise_if_server_lost(groups)
-        return groups, served_hit_rate(groups)
+        return groups, rollout_stats(groups)["hit_rate"]
 
     async def _scrape_metrics(self) -> None:
         """One /metrics scrape for the dashboard's hit-rate windows and a fleet's per-worker

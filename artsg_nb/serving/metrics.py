@@ -10,8 +10,8 @@ values, and read the token counters the hit rate comes from:
   vllm:gpu_prefix_cache_* names are accepted too).
 
 `hit_rate(before, after)` is the rate over a window (two scrapes); `HitRateTracker` keeps
-timestamped scrapes for the dashboard's trend. A step's own `hit_rate` is `served_hit_rate`: the
-counts the server sent with each answer, no scrape.
+timestamped scrapes for the dashboard's trend. A step's own `hit_rate` is no scrape: it is the
+counts the server sent with each answer (trajectory.rollout_stats).
 
 The counter names are each engine's (engines.get(name).prompt_counters / cached_counters).
 
@@ -117,17 +117,6 @@ def hit_rate(before: CacheCounters, after: CacheCounters) -> float | None:
     if prompt <= 0:
         return None
     return (after.cached_tokens - before.cached_tokens) / prompt
-
-
-def served_hit_rate(groups: Sequence) -> float | None:
-    """Cached / prompt tokens of a batch's requests as the server reported them with each answer
-    (Trajectory.prompt_tokens / cached_tokens, every episode, failed ones included); None when
-    there is no prompt token. Requests made only to fill the cache (SGLang's warm-ups) and any
-    other traffic in the meantime (the adapter probe, an evaluation) are not in it, unlike a
-    /metrics window; it reads like `theoretical_hit_rate`, which counts the same prompts."""
-    trajs = [t for g in groups for t in g.trajectories]
-    prompt = sum(t.prompt_tokens for t in trajs)
-    return sum(t.cached_tokens for t in trajs) / prompt if prompt > 0 else None
 
 
 def cumulative_hit_rate(counters: CacheCounters) -> float | None:

@@ -97,3 +97,65 @@ def test_a_failed_republish_keeps_the_version(tmp_path):
     with pytest.raises(ConnectionError):
         asyncio.run(pub.republish())
     assert pub.current is not None and pub.current.name == "policy-step-1"
+
+
+def test_a_staged_version_is_loaded_before_and_only_served_at_its_publish(tmp_path):
+    """A pipelined step stages its new version (loaded while the rollouts ahead still sample from
+    the served one); the publish then only unloads the older version."""
+    client = _RecordingClient()
+    pub = AdapterPublisher(client, tmp_path)
+    v0, v1 = (save_adapter_atomic(_fake_save, tmp_path / "adapters", s) for s in (0, 1))
+    asyncio.run(pub.publish(v0))
+    asyncio.run(pub.stage(v1))
+    assert client.calls[-1] == ("load", "policy-step-1") and pub.current is v0, "staged, not served"
+    asyncio.run(pub.publish(v1))
+    assert client.calls == [("load", "policy-step-0"), ("load", "policy-step-1"), ("unload", "policy-step-0")]
+    assert pub.current is v1 and pub.staged is None
+
+
+def test_a_staged_version_left_by_a_cancelled_step_is_unloaded_before_its_redo(tmp_path):
+    """A step cancelled after staging rolls back; its redo saves a new version under the same name,
+    which the server refuses while it holds the old one."""
+    client = _RecordingClient()
+    pub = AdapterPublisher(client, tmp_path)
+    asyncio.run(pub.publish(save_adapter_atomic(_fake_save, tmp_path / "adapters", 0)))
+    asyncio.run(pub.stage(save_adapter_atomic(_fake_save, tmp_path / "adapters", 1)))
+    redo = save_adapter_atomic(_fake_save, tmp_path / "adapters", 1)
+    asyncio.run(pub.stage(redo))
+    assert client.calls[-2:] == [("unload", "policy-step-1"), ("load", "policy-step-1")]
+    asyncio.run(pub.publish(redo))
+    assert client.calls[-1] == ("unload", "policy-step-0") and pub.current is redo
+
+
+def test_a_staging_that_failed_is_unloaded_before_the_publish_loads_it(tmp_path):
+    """A load whose answer was lost may still have been made: the publish unloads the name
+    first, so the server never keeps an unknown version under it."""
+    client = _RecordingClient()
+    pub = AdapterPublisher(client, tmp_path)
+    v1 = save_adapter_atomic(_fake_save, tmp_path / "adapters", 1)
+    recording = client.load_adapter
+
+    async def lost(name, path):
+        await recording(name, path)
+        raise TimeoutError("the answer was lost")
+
+    asyncio.run(pub.publish(save_adapter_atomic(_fake_save, tmp_path / "adapters", 0)))
+    client.load_adapter = lost
+    with pytest.raises(TimeoutError):
+        asyncio.run(pub.stage(v1))
+    client.load_adapter = recording
+    asyncio.run(pub.publish(v1))
+    assert client.calls[1:] == [("load", "policy-step-1"), ("unload", "policy-step-1"), ("load", "policy-step-1"),
+                                ("unload", "policy-step-0")]
+    assert pub.current is v1
+
+
+def test_a_restart_forgets_the_staged_version(tmp_path):
+    client = _RecordingClient()
+    pub = AdapterPublisher(client, tmp_path)
+    asyncio.run(pub.publish(save_adapter_atomic(_fake_save, tmp_path / "adapters", 0)))
+    v1 = save_adapter_atomic(_fake_save, tmp_path / "adapters", 1)
+    asyncio.run(pub.stage(v1))
+    asyncio.run(pub.republish())  # a new server: it holds policy-step-0 again, not policy-step-1
+    asyncio.run(pub.publish(v1))
+    assert client.calls[-3:] == [("load", "policy-step-0"), ("load", "policy-step-1"), ("unload", "policy-step-0")]

@@ -202,3 +202,70 @@ def test_a_step_cancelled_after_its_early_save_rolls_back_even_to_a_checkpoint_k
         row = asyncio.run(run.step())
         assert row["step"] == 2 and run.adapter == "policy-step-2"
 
+
+
+def _slow_ahead(run, seconds):
+    """The run's rollouts of every step after the first take `seconds` longer: they outlast the update."""
+    real = run._rollouts
+
+    async def slow(step):
+        if step > 1:
+            await asyncio.sleep(seconds)
+        return await real(step)
+
+    run._rollouts = slow
+
+
+def test_the_new_adapter_is_loaded_while_the_rollouts_ahead_still_run(tiny_model_dir, tmp_path):
+    """Only the unload of the adapter the rollouts ahead sample from waits for them: the new
+    version's load goes beside them (its seconds still count in reload_s)."""
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        _slow_ahead(run, 1.0)
+        calls = []  # (call, adapter, rollouts ahead still in flight)
+        client = run.client
+        real_load, real_unload = client.load_adapter, client.unload_adapter
+
+        def in_flight():
+            return run._ahead_task is not None and not run._ahead_task.done()
+
+        async def load(name, path):
+            calls.append(("load", name, in_flight()))
+            return await real_load(name, path)
+
+        async def unload(name):
+            calls.append(("unload", name, in_flight()))
+            return await real_unload(name)
+
+        client.load_adapter, client.unload_adapter = load, unload
+        rows = [asyncio.run(run.step()) for _ in range(2)]
+        assert run.adapter == "policy-step-2" and run.publisher.staged is None
+    assert [c for c in calls if c[1] != "policy-step-0" or c[0] == "unload"] == [
+        ("load", "policy-step-1", True), ("unload", "policy-step-0", False),
+        ("load", "policy-step-2", True), ("unload", "policy-step-1", False)], calls
+    assert all(r["reload_s"] > 0 for r in rows)
+
+
+def test_a_step_cancelled_after_staging_its_adapter_can_be_run_again(tiny_model_dir, tmp_path, caplog):
+    """The cancelled step's version stays loaded on the server, unserved; its redo saves another
+    version under the same name, which replaces it there (the server refuses a name twice)."""
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        asyncio.run(run.step())
+        real_rollouts = run._rollouts
+        _slow_ahead(run, 30)  # still running when the step is interrupted
+
+        async def interrupt_after_staging():
+            step = asyncio.ensure_future(run.step())
+            while not run.publisher.staged_loaded:
+                await asyncio.sleep(0.01)
+            step.cancel()
+            await asyncio.wait([step])
+            return step
+
+        assert asyncio.run(interrupt_after_staging()).cancelled()
+        assert run.trainer.step == 1 and run.adapter == "policy-step-1"
+        assert run.publisher.staged is not None and run.publisher.staged.name == "policy-step-2"
+        run._rollouts = real_rollouts
+        caplog.clear()
+        row = asyncio.run(run.step())
+        assert row["step"] == 2 and run.adapter == "policy-step-2" and run.publisher.staged is None
+    assert "beside the rollouts ahead failed" not in caplog.text, "the redo's load was refused"

@@ -204,21 +204,50 @@ class AdapterPublisher:
     run_dir: Path
     keep: int = 1
     served: list[AdapterVersion] = field(default_factory=list)
+    staged: AdapterVersion | None = None
+    """A version `stage` sent to the server and no publish has served yet: the server may hold it."""
+    staged_loaded: bool = False
+    """Whether the server answered that it loaded `staged`."""
 
     @property
     def current(self) -> AdapterVersion | None:
         return self.served[-1] if self.served else None
 
     async def publish(self, version: AdapterVersion) -> float:
-        """Load `version` into the server, then unload older versions; seconds taken."""
+        """Load `version` into the server (unless `stage` did), then unload older versions;
+        seconds taken."""
         check_inside(version.path, self.run_dir)
         t0 = time.perf_counter()
-        await self.client.load_adapter(version.name, str(version.path.resolve()))
+        if not (self.staged is version and self.staged_loaded):
+            await self._drop_staged()
+            await self.client.load_adapter(version.name, str(version.path.resolve()))
+        self.staged, self.staged_loaded = None, False
         self.served.append(version)
         while len(self.served) > self.keep:
             old = self.served.pop(0)
             await self._unload(old.name)
         return time.perf_counter() - t0
+
+    async def stage(self, version: AdapterVersion) -> float:
+        """Load `version` into the server without serving it yet (a pipelined step, while the
+        rollouts ahead still sample from the current version): its `publish` then only unloads
+        the older ones. Requests name their adapter, so nothing samples from it before then.
+        Seconds taken."""
+        check_inside(version.path, self.run_dir)
+        t0 = time.perf_counter()
+        await self._drop_staged()
+        self.staged, self.staged_loaded = version, False  # from the request on, the server may hold it
+        await self.client.load_adapter(version.name, str(version.path.resolve()))
+        self.staged_loaded = self.staged is version  # a restart meanwhile (republish) forgot it
+        return time.perf_counter() - t0
+
+    async def _drop_staged(self) -> None:
+        """Unload what the server may hold staged: a version a cancelled step saved and rolled
+        back (its redo saves another under the same name, and a name cannot be loaded twice), or
+        one whose load failed or went unanswered (the server may have made it)."""
+        if self.staged is not None:
+            stale, self.staged, self.staged_loaded = self.staged, None, False
+            await self._unload(stale.name)
 
     async def clear(self) -> list[str]:
         """Unload every adapter the server holds that this publisher did not load; the names
@@ -246,6 +275,7 @@ class AdapterPublisher:
         The newest version is remembered until a load of it succeeds: a server that dies during
         this load leaves `served` as it was, so the next restart loads it again (forgetting it
         would make the next rollouts sample from the base model)."""
+        self.staged, self.staged_loaded = None, False  # a new server holds nothing staged
         if not self.served:
             return
         newest = self.served[-1]

@@ -7,8 +7,9 @@ after a skipped update or an error). `train(groups, step, update, release, save)
 step+1 as an asyncio task on the server (under the newest published adapter, the one the update
 starts from) and runs the trainer's update in a worker thread meanwhile, then, in the same thread,
 saves the new adapter version (a 256-token step's rollouts outlast its update by ~0.5 s on an
-H100); the version is hot-reloaded only once those rollouts are in (the reload unloads the
-adapter they sample from).
+H100), and loads it into the server beside them (`stage`); the version is served (the older one
+unloaded) only once those rollouts are in: the unload waits for the requests of the adapter they
+sample from.
 So step n+1 trains on rollouts one adapter version old: staleness at most 1, recorded per row
 (`row`: `staleness`, `ahead_wait_s`: how long the update waited for them), corrected by importance
 sampling against the server's logprobs (session makes grpo.is_mode default to "token_truncate",
@@ -52,12 +53,13 @@ class SampleAhead:
     """Rollouts of step n+1 on the server while the trainer updates on step n's (module docstring)."""
 
     def __init__(self, pipeline: bool, trainer, run_dir: Path, supervisor: ServerSupervisor,
-                 rollouts: Callable[[int], Awaitable[tuple]]):
+                 rollouts: Callable[[int], Awaitable[tuple]], stage: Callable[[tuple], Awaitable[tuple]] | None = None):
         self.pipeline = pipeline
         self.trainer = trainer
         self.run_dir = run_dir
         self.supervisor = supervisor
         self._rollouts = rollouts  # step -> (groups, hit_rate): the run's rollouts of that step
+        self._stage = stage  # saved -> saved: the saved version loaded into the server, not served yet
         self.ahead: tuple | None = None  # (step, groups, hit_rate, rollout_s) sampled during the last update
         self.ahead_task: asyncio.Task | None = None  # the rollouts being sampled ahead, while a step runs
         self.row: Mapping = MappingProxyType({})  # this step's pipelining columns of the history row
@@ -83,7 +85,8 @@ class SampleAhead:
         update, when not pipelining: it returns the same, saved None), or the trainer's update
         overlapped with step+1's rollouts, followed in its worker thread by `save()` (the new
         adapter version written while those rollouts still run; saved is what it returned, None
-        without `save`)."""
+        without `save`), then by the constructor's `stage(saved)` beside the rollouts still
+        running (saved is then what that returned)."""
         if not self.pipeline:
             return await update(groups)
         if release:
@@ -91,10 +94,12 @@ class SampleAhead:
                              "it samples the next step's rollouts. Turn one of them off (run.release = False).")
         before = self.trainer.step
         ahead = self.ahead_task = asyncio.ensure_future(self._timed_rollouts(step + 1))
-        trained = False
+        trained, staging = False, None
         try:
             metrics, train_s, saved = await self._train_in_thread(groups, before, save)
             trained = True
+            if saved is not None and self._stage is not None:
+                staging = asyncio.ensure_future(self._stage(saved))
             t1 = time.perf_counter()
             try:
                 self.ahead = (step + 1, *await ahead)
@@ -104,7 +109,12 @@ class SampleAhead:
                 log.warning("rollouts of step %d sampled ahead failed or were cancelled (%r); step %d rolls "
                             "out afresh", step + 1, e, step + 1)
             self.row["ahead_wait_s"] = time.perf_counter() - t1
+            if staging is not None:
+                saved = await staging
         except BaseException:
+            if staging is not None and not staging.done():
+                staging.cancel()  # a load the server may still make: the next stage or publish unloads it
+                await asyncio.wait([staging])
             await self._cancel_ahead()
             if trained:  # cancelled while waiting: the update is not served, so it is undone
                 self._roll_back(before)

@@ -157,7 +157,7 @@ class GRPORun:
         self.history = History.load(self.run_dir) if cfg.resume else History(self.run_dir)
         self.publisher = AdapterPublisher(self.client, self.run_dir)
         self.sampler = SampleAhead(cfg.pipeline, self.trainer, self.run_dir, self.supervisor,
-                                   lambda step: self._rollouts(step))
+                                   lambda step: self._rollouts(step), self._stage)
         adapters = self.run_dir / "adapters"
         remove_stale_tmp(adapters)
         # policy-step-0 is the untrained LoRA (B = 0, so it serves the base model's outputs).
@@ -497,6 +497,19 @@ class GRPORun:
                         previous.name)
             raise
         return version, time.perf_counter() - t0
+
+    async def _stage(self, saved: tuple[AdapterVersion, float]) -> tuple[AdapterVersion, float]:
+        """`saved` (version, seconds) with its version loaded into the server, not served yet: a
+        pipelined step's, while the rollouts ahead still run (AdapterPublisher.stage); the seconds
+        then count the load too. A load that fails is logged, and the reload makes it (under
+        `with_restarts`) once the rollouts are in."""
+        version, save_s = saved
+        try:
+            return version, save_s + await self.publisher.stage(version)
+        except Exception as e:  # noqa: BLE001 — the reload loads it: its errors are raised there
+            log.warning("loading %s beside the rollouts ahead failed (%s: %s); it is loaded after them",
+                        version.name, type(e).__name__, e)
+            return saved
 
     async def _save_and_reload(self, groups, saved: tuple[AdapterVersion, float] | None = None):
         """Save the update's adapter (unless `saved` already: (version, seconds)), load it into the

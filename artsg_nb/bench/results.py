@@ -79,7 +79,7 @@ def load_results(results_dir: str | os.PathLike, gpu: str | None = None) -> pd.D
     """Every `*.csv` in `results_dir` as one frame, `source` = the file name and `workload` labelled
     (`label_workloads`); empty, with those columns, when there is none. `gpu` keeps rows whose
     gpu/hardware contains it (case-insensitive), e.g. "H200"."""
-    frames = [pd.read_csv(f).assign(source=f.name) for f in sorted(Path(results_dir).glob("*.csv"))]
+    frames = [_read_csv(f) for f in sorted(Path(results_dir).glob("*.csv"))]
     frames = [f for f in frames if {"engine", "mode", "schedule"} <= set(f.columns)]  # not step / scale-out CSVs
     if not frames:
         return pd.DataFrame(columns=["source", "gpu", *COLUMNS])
@@ -92,6 +92,11 @@ def load_results(results_dir: str | os.PathLike, gpu: str | None = None) -> pd.D
     if gpu:
         df = df[df["gpu"].astype(str).str.contains(gpu, case=False, regex=False)]
     return label_workloads(df).reset_index(drop=True)
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    """One results CSV, `source` = its file name; a commit stays text (`5683e12` is no number)."""
+    return pd.read_csv(path, dtype={"commit": str}).assign(source=path.name)
 
 
 def label_workloads(df: pd.DataFrame) -> pd.DataFrame:
@@ -121,7 +126,7 @@ def latest_results(df: pd.DataFrame) -> pd.DataFrame:
 def load_step_results(results_dir: str | os.PathLike) -> pd.DataFrame:
     """The newest step benchmark CSV (`*-step-*.csv`, bench.step) of each hardware, one frame with
     `source` = its file name; empty when there is none."""
-    frames = [pd.read_csv(f).assign(source=f.name) for f in sorted(Path(results_dir).glob("*-step-*.csv"))]
+    frames = [_read_csv(f) for f in sorted(Path(results_dir).glob("*-step-*.csv"))]
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True)

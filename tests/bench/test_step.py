@@ -261,6 +261,14 @@ def test_committed_step_results_newest_per_hardware_and_kept_apart(tmp_path):
     assert load_results(tmp_path).empty
 
 
+def test_a_commit_of_digits_and_one_e_is_read_back_as_text(tmp_path):
+    """`5683e12` (a real hash) read as a number became 5.683e+15 in notebook 03's table."""
+    row = {**{c: 1.0 for c in step.COLUMNS}, "framework": "artsg_nb", "hardware": "NVIDIA H100 x1",
+           "pipeline": False, "commit": "5683e12"}
+    pd.DataFrame([row]).to_csv(tmp_path / "20261206-step-h100.csv", index=False)
+    assert list(load_step_results(tmp_path)["commit"]) == ["5683e12"]
+
+
 @pytest.fixture(scope="module")
 def cpu_bench(tmp_path_factory, tiny_model_dir):
     """Every leg once on the CPU engine (artsg_nb synchronous and pipelined, TRL), 2 steps each:

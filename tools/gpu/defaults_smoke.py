@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="the tiny model built on the host")
     p.add_argument("--work", default="/tmp/runs/smoke")
-    p.add_argument("--out", required=True, help="JSON record (benchmarks/results/<date>-h200-smoke.json)")
+    p.add_argument("--out", required=True, help="JSON record (benchmarks/results/<date>-<card>-smoke.json)")
     p.add_argument("--parts", nargs="*", default=["quickstart", "schedules", "tests"])
     p.add_argument("--limit-s", nargs="*", default=[], metavar="PART=SECONDS", help="override a part's time limit")
     p.add_argument("--tests-after", type=float, default=75.0,

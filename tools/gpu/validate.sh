@@ -9,7 +9,7 @@
 #   smoke       THE first call of a GPU session, on DEFAULT settings (tools/gpu/defaults_smoke.py): the
 #               shipped tiny model (CI's weights), the quickstart notebook unchanged (10 steps, >= 3
 #               reloads with unloads), 5 steps of each schedule on one server, the GPU-marked tests;
-#               one PASS/FAIL line each, $OUT/<date>-h200-smoke.json. Carry [".gpu-bundle", ".whl-kernel"].
+#               one PASS/FAIL line each, $OUT/<date>-<card>-smoke.json (h100, h200). Carry [".gpu-bundle", ".whl-kernel"].
 #               The tests part runs beside the other two (from 75 s in): ~6.5 min on a fresh host (every
 #               SGLang start 55-120 s); give the call timeout_s=600.
 #   nshapes     tools/gpu/n_shapes.py: balanced n vs native n vs prefix/naive under an adapter on one
@@ -107,7 +107,8 @@ for p in "$@"; do
   echo "[$(date +%H:%M:%S)] phase $p"
   case $p in
     smoke)       SHIPPED=$PWD/artsg_nb/models/shipped/tiny-s0-p800  # the weights CI tests (no build on the host)
-                 SMOKE_JSON="$OUT/$(date +%Y%m%d)-h200-smoke.json"
+                 GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h100|h200|a100|l40s|b200' | tr A-Z a-z)
+                 SMOKE_JSON="$OUT/$(date +%Y%m%d)-${GPU_TAG:-gpu}-smoke.json"  # the card it ran on: kinds named H200 may get an H100
                  timeout 585 env ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/defaults_smoke.py --model $SHIPPED \
                    --out "$SMOKE_JSON" ${SMOKE_PARTS:+--parts $SMOKE_PARTS} 2>&1 | tee "$OUT/smoke.log" \
                    | grep -E '^(PASS|FAIL) |^    |schedule ' | cut -c1-400

@@ -37,6 +37,12 @@ PER_PROMPT = ("input_ids", "sampling_params")
 """The payload fields a batch request takes as one list entry per prompt."""
 
 
+def batch_payload(payloads: list[dict]) -> dict:
+    """Single-prompt payloads that agree on everything but PER_PROMPT, as one batch request's
+    payload (answered by a list, in the same order)."""
+    return {**payloads[0], **{k: [p[k] for p in payloads] for k in PER_PROMPT}}
+
+
 class GenerateBatcher:
     """Coalesces the single-prompt payloads submitted in one event-loop tick (module docstring).
     `send(payload)` posts one /generate payload and returns its parsed answer. Bound to the loop it
@@ -91,8 +97,7 @@ class GenerateBatcher:
         if len(items) == 1:
             await self._one(*items[0])
             return
-        first = items[0][0]
-        payload = {**first, **{k: [p[k] for p, _ in items] for k in PER_PROMPT}}
+        payload = batch_payload([p for p, _ in items])
         try:
             answers = await self.send(payload)
             if not isinstance(answers, list) or len(answers) != len(items):

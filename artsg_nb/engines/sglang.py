@@ -48,7 +48,7 @@ from typing import Iterable
 
 from .base import (DEFAULT_TAGS, EngineClient, Generation, SamplingParams, chat_payload, memory_tags,
                    normalise_finish_reason, saver_problem)
-from .batching import GenerateBatcher
+from .batching import GenerateBatcher, batch_payload
 from .errors import AdapterExistsError, EngineError, MemorySaverError
 from .spec import EngineSpec, RawDialect, key_launcher
 
@@ -184,11 +184,8 @@ class SGLangClient(EngineClient):
             bodies = await asyncio.gather(*(batcher.submit(p) for p in singles))
         elif self._routed:  # sglang-router 0.3 takes no per-sample sampling_params list
             bodies = await asyncio.gather(*(self._post_generate(p) for p in singles))
-        else:
-            payload = {"input_ids": [list(input_ids)] * params.n,
-                       "sampling_params": [p["sampling_params"] for p in singles], "return_logprob": True,
-                       "lora_path": adapter}
-            bodies = await self._post_generate(payload)
+        else:  # batch_requests off: this group's samples still go as one request
+            bodies = await self._post_generate(batch_payload(singles))
         return [self._parse_sample(obj) for obj in bodies]
 
     warm_up_from_flop = 0.0

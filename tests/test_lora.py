@@ -1,6 +1,7 @@
 """Adapter versions: atomic save, checksums, run-dir confinement, publish/unload order."""
 import asyncio
 import errno
+from pathlib import Path
 
 import pytest
 
@@ -150,12 +151,91 @@ def test_a_staging_that_failed_is_unloaded_before_the_publish_loads_it(tmp_path)
     assert pub.current is v1
 
 
-def test_a_restart_forgets_the_staged_version(tmp_path):
+def test_a_restart_leaves_the_staged_version_to_be_unloaded(tmp_path):
+    """A restarted server holds nothing staged, but a fleet restarts only its dead workers: the
+    live ones still hold it, so its name is unloaded (on every worker) before it is loaded again."""
     client = _RecordingClient()
     pub = AdapterPublisher(client, tmp_path)
     asyncio.run(pub.publish(save_adapter_atomic(_fake_save, tmp_path / "adapters", 0)))
     v1 = save_adapter_atomic(_fake_save, tmp_path / "adapters", 1)
     asyncio.run(pub.stage(v1))
-    asyncio.run(pub.republish())  # a new server: it holds policy-step-0 again, not policy-step-1
+    asyncio.run(pub.republish())
     asyncio.run(pub.publish(v1))
-    assert client.calls[-3:] == [("load", "policy-step-0"), ("load", "policy-step-1"), ("unload", "policy-step-0")]
+    assert client.calls[-4:] == [("load", "policy-step-0"), ("unload", "policy-step-1"), ("load", "policy-step-1"),
+                                 ("unload", "policy-step-0")]
+
+
+class _ImmutableWorker:
+    """A fleet worker: a name loaded twice is refused; what each name holds is kept."""
+
+    engine = "sglang"
+
+    def __init__(self):
+        self.held = {}
+
+    async def load_adapter(self, name, path):
+        from artsg_nb.engines import AdapterExistsError
+        if name in self.held:
+            raise AdapterExistsError(f"{name} is already loaded")
+        self.held[name] = (Path(path) / "adapter_model.safetensors").read_bytes()
+        return 0.01
+
+    async def unload_adapter(self, name):
+        from artsg_nb.engines import UnknownAdapterError
+        if self.held.pop(name, None) is None:
+            raise UnknownAdapterError(f"{name} is not loaded")
+
+
+def test_a_fleet_serves_the_redo_not_a_cancelled_step_staged_before_a_worker_restarted(tmp_path):
+    """Step 1 is staged on both workers, then cancelled (the trainer rolls back); worker B dies and
+    is restarted; the redo's version, under the same name, must replace the cancelled one on A."""
+    from artsg_nb.serving.fleet import FleetClient
+
+    def save(weights):
+        def write(tmp):
+            tmp.mkdir(parents=True)
+            (tmp / "adapter_model.safetensors").write_bytes(weights)
+        return write
+
+    a, b = _ImmutableWorker(), _ImmutableWorker()
+    pub = AdapterPublisher(FleetClient(None, front=a, workers=[a, b]), tmp_path)
+    adapters = tmp_path / "adapters"
+    asyncio.run(pub.publish(save_adapter_atomic(save(b"w0"), adapters, 0)))
+    asyncio.run(pub.stage(save_adapter_atomic(save(b"cancelled"), adapters, 1)))
+    b.held.clear()  # B died and was restarted; A lives on
+    asyncio.run(pub.republish())
+    redo = save_adapter_atomic(save(b"redo"), adapters, 1)
+    asyncio.run(pub.stage(redo))
+    asyncio.run(pub.publish(redo))
+    assert a.held == b.held == {"policy-step-1": b"redo"}
+
+
+def test_a_fleet_unload_waits_for_every_worker_and_only_a_name_none_holds_is_unknown(tmp_path):
+    from artsg_nb.engines import UnknownAdapterError
+    from artsg_nb.serving.fleet import FleetClient
+    a, b = _ImmutableWorker(), _ImmutableWorker()
+    a.held["x"] = b"w"
+    client = FleetClient(None, front=a, workers=[a, b])
+    asyncio.run(client.unload_adapter("x"))  # B never held it
+    assert a.held == {}
+    with pytest.raises(UnknownAdapterError):
+        asyncio.run(client.unload_adapter("x"))
+
+
+def test_an_interrupted_unload_of_a_staged_version_is_made_again(tmp_path):
+    client = _RecordingClient()
+    pub = AdapterPublisher(client, tmp_path)
+    asyncio.run(pub.publish(save_adapter_atomic(_fake_save, tmp_path / "adapters", 0)))
+    asyncio.run(pub.stage(save_adapter_atomic(_fake_save, tmp_path / "adapters", 1)))  # then the step is cancelled
+    recording = client.unload_adapter
+
+    async def interrupted(name):
+        raise asyncio.CancelledError  # the redo interrupted while it unloads the cancelled version
+
+    client.unload_adapter = interrupted
+    redo = save_adapter_atomic(_fake_save, tmp_path / "adapters", 1)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(pub.stage(redo))
+    client.unload_adapter = recording
+    asyncio.run(pub.stage(redo))
+    assert client.calls[-2:] == [("unload", "policy-step-1"), ("load", "policy-step-1")]

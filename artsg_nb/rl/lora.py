@@ -237,8 +237,10 @@ class AdapterPublisher:
         t0 = time.perf_counter()
         await self._drop_staged()
         self.staged, self.staged_loaded = version, False  # from the request on, the server may hold it
-        await self.client.load_adapter(version.name, str(version.path.resolve()))
-        self.staged_loaded = self.staged is version  # a restart meanwhile (republish) forgot it
+        client = self.client
+        await client.load_adapter(version.name, str(version.path.resolve()))
+        # loaded on the server that is there now, not one a restart replaced meanwhile
+        self.staged_loaded = self.staged is version and self.client is client
         return time.perf_counter() - t0
 
     async def _drop_staged(self) -> None:
@@ -246,8 +248,8 @@ class AdapterPublisher:
         back (its redo saves another under the same name, and a name cannot be loaded twice), or
         one whose load failed or went unanswered (the server may have made it)."""
         if self.staged is not None:
-            stale, self.staged, self.staged_loaded = self.staged, None, False
-            await self._unload(stale.name)
+            await self._unload(self.staged.name, quiet=True)
+            self.staged, self.staged_loaded = None, False  # only now: an interrupted unload is made again
 
     async def clear(self) -> list[str]:
         """Unload every adapter the server holds that this publisher did not load; the names
@@ -275,7 +277,9 @@ class AdapterPublisher:
         The newest version is remembered until a load of it succeeds: a server that dies during
         this load leaves `served` as it was, so the next restart loads it again (forgetting it
         would make the next rollouts sample from the base model)."""
-        self.staged, self.staged_loaded = None, False  # a new server holds nothing staged
+        # The staged version stays marked for unloading: a fleet restarts only its dead workers,
+        # and the live ones still hold it (a new server answers its unload as unknown).
+        self.staged_loaded = False
         if not self.served:
             return
         newest = self.served[-1]
@@ -283,11 +287,13 @@ class AdapterPublisher:
         await self.client.load_adapter(newest.name, str(newest.path.resolve()))
         self.served = [newest]
 
-    async def _unload(self, name: str) -> None:
+    async def _unload(self, name: str, quiet: bool = False) -> None:
+        """Unload `name`; one the server does not hold is no error (`quiet`: a staged version,
+        which a failed load or a restarted server may never have held)."""
         try:
             await self.client.unload_adapter(name)
         except UnknownAdapterError:
-            log.warning("adapter %s was already gone from the server", name)
+            log.log(logging.DEBUG if quiet else logging.WARNING, "adapter %s was already gone from the server", name)
 
 
 async def probe_served_adapter(client, version: AdapterVersion, probe_ids: list[int], trainer_logps: list[float],

@@ -36,7 +36,7 @@ from typing import Sequence
 
 from .. import engines
 from . import procs
-from ..engines import AdapterExistsError
+from ..engines import AdapterExistsError, UnknownAdapterError
 from .metrics import CacheCounters, cache_counters, hit_rate, progress_tokens
 from .router import Router, start_router
 from .server import Server, ServerConfig, ServerError, resolve_api_key
@@ -280,7 +280,15 @@ class FleetClient:
         return max(await self._all(load))
 
     async def unload_adapter(self, name: str) -> None:
-        await self._all(lambda c: c.unload_adapter(name))
+        """Unload on every worker; returns once each has answered. A worker that does not hold it
+        (restarted, or its load failed) is no error unless none holds it (UnknownAdapterError)."""
+        answers = await asyncio.gather(*[c.unload_adapter(name) for c in self.workers], return_exceptions=True)
+        errors = [a for a in answers if isinstance(a, BaseException)]
+        other = [e for e in errors if not isinstance(e, UnknownAdapterError)]
+        if other:
+            raise other[0]
+        if errors and len(errors) == len(answers):
+            raise errors[0]
 
     async def list_adapters(self) -> dict[str, str]:
         """The adapters every worker holds (the router's /v1/models is its own, not the workers')."""

@@ -9,6 +9,11 @@ checks the served adapter is the one just trained: the stored checksum matches t
 server's logprobs of fixed probe tokens agree with the trainer's and moved from the previous
 version's.
 
+A pipelined step stages its version first (`AdapterPublisher.stage`: loaded while the rollouts
+ahead still sample from the served one, not yet served); a staged version that is not then
+published (its step cancelled, its load unanswered) is unloaded before the next load, on every
+worker of a fleet, so a name never holds two contents.
+
 What it does not do: train, or decide when to reload (the session does, between steps, when no
 rollout is in flight, so an unload never waits).
 """

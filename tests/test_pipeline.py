@@ -69,7 +69,7 @@ def test_synchronous_rows_are_unchanged(tiny_model_dir, tmp_path):
     with GRPORun(_cfg(tiny_model_dir, tmp_path, groups_per_step=2)) as run:
         assert run.trainer.cfg.grpo.is_mode is None
         row = asyncio.run(run.step())
-    assert "staleness" not in row and "ahead_wait_s" not in row
+    assert "staleness" not in row and "ahead_wait_s" not in row and "reload_wait_s" not in row
 
 
 @pytest.mark.slow
@@ -243,6 +243,8 @@ def test_the_new_adapter_is_loaded_while_the_rollouts_ahead_still_run(tiny_model
         ("load", "policy-step-1", True), ("unload", "policy-step-0", False),
         ("load", "policy-step-2", True), ("unload", "policy-step-1", False)], calls
     assert all(r["reload_s"] > 0 for r in rows)
+    # what the step waited for is only the unload, not the save and load made beside the rollouts
+    assert all(0 < r["reload_wait_s"] < r["reload_s"] for r in rows), rows
 
 
 def test_a_step_cancelled_after_staging_its_adapter_can_be_run_again(tiny_model_dir, tmp_path, caplog):

@@ -28,7 +28,7 @@ from .run import hardware_name
 
 COLUMNS = ["framework", "engine", "model", "max_new_tokens", "steps", "step_s_median", "rollout_s_median",
            "train_s_median", "reload_s_median", "tokens_per_step", "reward_first", "reward_last", "hardware",
-           "date", "pipeline", "start_s", "first_train_s", "first_step_s", "commit", "job"]
+           "date", "pipeline", "start_s", "first_train_s", "first_step_s", "commit", "job", "reload_wait_s_median"]
 """The step benchmark's CSV columns, in order (plots.plot_step_benchmark and results.step_ratios read
 them by name; columns are only ever appended). `pipeline`: RunConfig(pipeline=...) of an artsg_nb row
 (False for TRL); `start_s`: seconds to get ready to step (artsg_nb: GRPORun.start(); TRL: the leg's
@@ -37,7 +37,9 @@ first step that updated; TRL: its first step minus its first generation), `first
 step's seconds (both taken from the warm-up steps the medians leave out; a pipelined leg's first
 update already overlaps the second step's rollouts: the synchronous leg's is the first update alone);
 `commit`: source_commit(); `job`: the job's shape (`job_label`), so rows of different jobs are never
-merged or compared."""
+merged or compared; `reload_wait_s_median`: the part of the reload the step waited for (a synchronous
+step: all of reload_s; a pipelined one: what was left once the next step's rollouts were in, the
+history's reload_wait_s; TRL: 0)."""
 FRAMEWORKS = ("artsg_nb", "trl")
 
 
@@ -161,9 +163,10 @@ def source_commit() -> str:
 
 def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, step_s, rollout_s, train_s,
                 reload_s, tokens, rewards, *, pipeline: bool = False, start_s: float = float("nan"),
-                first_train_s: float | None = None) -> dict:
+                first_train_s: float | None = None, reload_wait_s=None) -> dict:
     """One CSV row (`COLUMNS`): medians over the steps after `cfg.warmup`, the first step's and
-    first update's seconds (`first_train_s`; None: the first step's train_s)."""
+    first update's seconds (`first_train_s`; None: the first step's train_s); `reload_wait_s`
+    None: all of reload_s was waited for."""
     keep = slice(cfg.warmup if len(step_s) > cfg.warmup else 0, None)
     return {"framework": framework, "engine": engine, "model": Path(cfg.model_path or default_model_dir()).name,
             "max_new_tokens": max_new, "steps": len(step_s), "step_s_median": _median(step_s[keep]),
@@ -174,7 +177,8 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
             "hardware": hardware_name(engine if framework == "artsg_nb" else ("gpu" if torch.cuda.is_available() else "cpu")),
             "date": datetime.now().strftime("%Y-%m-%d"), "pipeline": bool(pipeline), "start_s": float(start_s),
             "first_train_s": _first(train_s) if first_train_s is None else float(first_train_s),
-            "first_step_s": _first(step_s), "commit": source_commit(), "job": job_label(cfg)}
+            "first_step_s": _first(step_s), "commit": source_commit(), "job": job_label(cfg),
+            "reload_wait_s_median": _median((reload_s if reload_wait_s is None else reload_wait_s)[keep])}
 
 
 def job_label(cfg: StepBenchConfig) -> str:

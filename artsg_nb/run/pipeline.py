@@ -11,7 +11,8 @@ H100), and loads it into the server beside them (`stage`); the version is served
 unloaded) only once those rollouts are in: the unload waits for the requests of the adapter they
 sample from.
 So step n+1 trains on rollouts one adapter version old: staleness at most 1, recorded per row
-(`row`: `staleness`, `ahead_wait_s`: how long the update waited for them), corrected by importance
+(`row`: `staleness`, `ahead_wait_s`: how long the update waited for them, `reload_wait_s`: how long
+the step then waited for its reload; reload_s counts the save and load wherever they ran), corrected by importance
 sampling against the server's logprobs (session makes grpo.is_mode default to "token_truncate",
 TRL's truncated IS, when pipelining).
 
@@ -71,8 +72,8 @@ class SampleAhead:
             groups, hit, rollout_s = ahead[1:]
         else:
             groups, hit, rollout_s = await self._timed_rollouts(step)
-        self.row = ({"staleness": staleness(groups, self.supervisor.weights_version), "ahead_wait_s": None}
-                    if self.pipeline else {})
+        self.row = ({"staleness": staleness(groups, self.supervisor.weights_version), "ahead_wait_s": None,
+                     "reload_wait_s": None} if self.pipeline else {})
         return groups, hit, rollout_s
 
     async def _timed_rollouts(self, step: int):
@@ -108,9 +109,11 @@ class SampleAhead:
                     raise
                 log.warning("rollouts of step %d sampled ahead failed or were cancelled (%r); step %d rolls "
                             "out afresh", step + 1, e, step + 1)
-            self.row["ahead_wait_s"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            self.row["ahead_wait_s"] = t2 - t1
             if staging is not None:
                 saved = await staging
+            self.row["reload_wait_s"] = time.perf_counter() - t2  # the session adds its publish's seconds
         except BaseException:
             if staging is not None and not staging.done():
                 staging.cancel()  # a load the server may still make: the next stage or publish unloads it

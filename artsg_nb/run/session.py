@@ -282,20 +282,23 @@ class GRPORun:
         n_constant, no_signal = constant_groups(groups)
         if no_signal:  # every group has one reward: no gradient; see _skip_update
             metrics, train_s, memory_s, (version, reload_s, probe) = self._skip_update(n_constant)
+            waited_s = 0.0
             await self._scrape_metrics()
         else:
             metrics, train_s, memory_s, saved = await train(groups, step)
             log.info("step %d: update in %.2f s; save and reload", step, train_s)
             scrape = asyncio.ensure_future(self._scrape_metrics())  # sent while the reload waits on the server
             try:
-                version, reload_s, probe = await self._save_and_reload(groups, saved)
+                version, reload_s, probe, waited_s = await self._save_and_reload(groups, saved)
             except BaseException:
                 scrape.cancel()
                 raise
             await scrape
         row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
                        memory_s, self.restarts)
-        row.update(self.sampler.row)  # staleness, ahead_wait_s when pipelining
+        row.update(self.sampler.row)  # staleness, ahead_wait_s, reload_wait_s when pipelining
+        if row.get("reload_wait_s") is not None:  # the load's wait (pipeline.py), then the publish's
+            row["reload_wait_s"] += waited_s
         if self.cfg.eval_every and step % self.cfg.eval_every == 0:
             row.update(history_fields(await self.evaluate(n=self.cfg.eval_n)))
         row.update(self.server.worker_stats())  # a fleet's per-worker hit rate and load since the last step's scrape
@@ -513,18 +516,21 @@ class GRPORun:
 
     async def _save_and_reload(self, groups, saved: tuple[AdapterVersion, float] | None = None):
         """Save the update's adapter (unless `saved` already: (version, seconds)), load it into the
-        server, check it when due; (version, reload_s, probe result). reload_s is the save's and
-        the load's seconds together, wherever the save ran."""
+        server (unless staged: then only the older version is unloaded), check it when due;
+        (version, reload_s, probe result, waited_s). reload_s is the save's and the load's seconds
+        together, wherever they ran; waited_s the part of them made here."""
         previous = self.publisher.current
         probe = probe_trajectory(groups)
-        version, save_s = saved or self._save_new_version()
         t0 = time.perf_counter()
+        version, save_s = saved or self._save_new_version()
+        t1 = time.perf_counter()
         try:
             await self.supervisor.with_restarts(self.supervisor.publish, version)
         except BaseException:
             self.trainer.wait_for_checkpoint()  # the step stops here: its checkpoint on disk first
             raise
-        reload_s = save_s + time.perf_counter() - t0
+        t2 = time.perf_counter()
+        reload_s = save_s + t2 - t1
         result = {}
         if self._verify_due(version.step) and probe is not None:
             trainer_lp = self.trainer.score_tokens(probe.token_ids)
@@ -539,7 +545,7 @@ class GRPORun:
                 sel(trainer_lp), sel(prev_lp) if prev_lp else None, tol)
             result = await self.supervisor.with_restarts(verify)
             self._verified_on_server = self.supervisor.restarts
-        return version, reload_s, result
+        return version, reload_s, result, t2 - t0
 
     def _verify_due(self, step: int) -> bool:
         """Whether this reload's served adapter is checked (RunConfig.verify_every): the first

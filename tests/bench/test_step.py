@@ -226,7 +226,8 @@ def test_ratios_per_job_and_pipeline_setting_against_trl():
             bench_row("trl", 256, step_s=20.0)]
     r = step_ratios(pd.DataFrame(rows))
     assert list(r.index) == [(8, False), (8, True), (256, True)]
-    assert list(r.columns) == ["artsg_nb_step_s", "trl_step_s", "speedup_vs_trl", "reload_s_median", "first_train_s"]
+    assert list(r.columns) == ["artsg_nb_step_s", "trl_step_s", "speedup_vs_trl", "reload_s_median",
+                               "reload_wait_s_median", "first_train_s"]
     assert list(r["speedup_vs_trl"]) == [pytest.approx(1.5), pytest.approx(3.0), pytest.approx(4.0)]
     assert list(r["trl_step_s"]) == [3.0, 3.0, 20.0]
     assert (r.loc[(8, True), "first_train_s"], r.loc[(8, False), "reload_s_median"]) == (2.6, 0.1)  # artsg_nb's, not TRL's
@@ -294,6 +295,9 @@ def test_cpu_step_bench_every_leg(cpu_bench):
         assert row.first_train_s < row.first_step_s  # an update is part of its step
         assert isinstance(row.commit, str) and row.commit == step_job.source_commit()
     assert (saved.loc[:1, "reload_s_median"] > 0).all() and saved.loc[2, "reload_s_median"] == 0
+    # waited for: all of a synchronous reload, part of a pipelined one (its history's reload_wait_s), none for TRL
+    assert saved.loc[0, "reload_wait_s_median"] == saved.loc[0, "reload_s_median"]
+    assert saved.loc[1, "reload_wait_s_median"] > 0 and saved.loc[2, "reload_wait_s_median"] == 0
     r = step_ratios(df)
     assert list(r.index) == [(8, False), (8, True)] and r["speedup_vs_trl"].notna().all()
     assert not math.isnan(r.loc[(8, True), "first_train_s"])

@@ -7,6 +7,7 @@ import errno
 import os
 import signal
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -271,3 +272,23 @@ def test_a_step_cancelled_after_staging_its_adapter_can_be_run_again(tiny_model_
         row = asyncio.run(run.step())
         assert row["step"] == 2 and run.adapter == "policy-step-2" and run.publisher.staged is None
     assert "beside the rollouts ahead failed" not in caplog.text, "the redo's load was refused"
+
+
+def test_reload_wait_counts_the_save_left_after_rollouts_that_ended_before_the_update(tiny_model_dir, tmp_path):
+    """The rollouts ahead end during the update: the whole save and load come after both, on the
+    step's path, and reload_wait_s counts them (it counted from when the update's thread returned)."""
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        real_train, real_save = run.trainer.train_step, run._save_served
+
+        def slow_train(groups):
+            time.sleep(2.0)  # the rollouts ahead end meanwhile
+            return real_train(groups)
+
+        def slow_save():
+            time.sleep(0.5)
+            return real_save()
+
+        run.trainer.train_step, run._save_served = slow_train, slow_save
+        rows = [asyncio.run(run.step()) for _ in range(2)]
+    assert all(r["ahead_wait_s"] < 0.1 for r in rows), rows
+    assert all(r["reload_wait_s"] >= 0.5 for r in rows), [r["reload_wait_s"] for r in rows]

@@ -129,9 +129,21 @@ def load_step_results(results_dir: str | os.PathLike) -> pd.DataFrame:
     frames = [_read_csv(f) for f in sorted(Path(results_dir).glob("*-step-*.csv"))]
     if not frames:
         return pd.DataFrame()
-    df = pd.concat(frames, ignore_index=True)
+    df = with_reload_wait(pd.concat(frames, ignore_index=True))
     newest = df.groupby("hardware")["source"].max()  # file names start with the date
     return df[df["source"].isin(newest)].reset_index(drop=True)
+
+
+def with_reload_wait(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with `reload_wait_s_median` where a row from before that column can say it: a
+    synchronous artsg_nb row waited for all of its reload, a TRL row for none; a pipelined one
+    stays unknown (NaN)."""
+    if "framework" not in df or "reload_s_median" not in df:
+        return df
+    wait = df["reload_wait_s_median"] if "reload_wait_s_median" in df else pd.Series(np.nan, index=df.index)
+    sync = (df["framework"] == "artsg_nb") & ~pipeline_flags(df.get("pipeline", pd.Series(False, index=df.index)))
+    wait = wait.mask(wait.isna() & sync, df["reload_s_median"]).mask(wait.isna() & (df["framework"] == "trl"), 0.0)
+    return df.assign(reload_wait_s_median=wait)
 
 
 def pipeline_flags(values: pd.Series) -> pd.Series:

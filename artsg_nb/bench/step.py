@@ -53,7 +53,7 @@ from ..files import write_atomic
 from ..rl.grpo import GRPOConfig
 from ..run.config import RunConfig
 from ..run.session import GRPORun
-from .results import pipeline_flags, step_ratios
+from .results import pipeline_flags, step_ratios, with_reload_wait
 from .step_job import COLUMNS, FRAMEWORKS, StepBenchConfig, leg_result
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ def earlier_rows(path: Path) -> pd.DataFrame:
         return pd.DataFrame(columns=COLUMNS)
     old = old.reindex(columns=COLUMNS)
     old["pipeline"] = pipeline_flags(old["pipeline"])
-    return old
+    return with_reload_wait(old)
 
 
 def _leg_keys(df: pd.DataFrame) -> list[tuple]:

@@ -10,6 +10,7 @@ What it does not do: run a leg (step.py runs artsg_nb's and orchestrates; step_t
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
@@ -133,6 +134,9 @@ def task_reward_func(task_name: str):
 
 
 def _median(xs: list[float]) -> float:
+    """The median of the numbers in `xs` (a NaN: a step without that part, e.g. a skipped update's
+    reload, which would make statistics.median depend on the order); NaN when there is none."""
+    xs = [x for x in xs if not math.isnan(x)]
     return float(statistics.median(xs)) if xs else float("nan")
 
 

@@ -11,8 +11,9 @@ H100), and loads it into the server beside them (`stage`); the version is served
 unloaded) only once those rollouts are in: the unload waits for the requests of the adapter they
 sample from.
 So step n+1 trains on rollouts one adapter version old: staleness at most 1, recorded per row
-(`row`: `staleness`, `ahead_wait_s`: how long the update waited for them, `reload_wait_s`: how long
-the step then waited for its reload; reload_s counts the save and load wherever they ran), corrected by importance
+(`row`: `staleness`, `ahead_wait_s`: how long the update and its save waited for them, `reload_wait_s`:
+how long the step waited for its reload once both the update and those rollouts had ended; reload_s
+counts the save and load wherever they ran), corrected by importance
 sampling against the server's logprobs (session makes grpo.is_mode default to "token_truncate",
 TRL's truncated IS, when pipelining).
 
@@ -95,9 +96,11 @@ class SampleAhead:
                              "it samples the next step's rollouts. Turn one of them off (run.release = False).")
         before = self.trainer.step
         ahead = self.ahead_task = asyncio.ensure_future(self._timed_rollouts(step + 1))
+        ahead_done_at: list[float] = []  # when the rollouts ahead ended (the callback runs before this task wakes)
+        ahead.add_done_callback(lambda _: ahead_done_at.append(time.perf_counter()))
         trained, staging = False, None
         try:
-            metrics, train_s, saved = await self._train_in_thread(groups, before, save)
+            metrics, train_s, saved, trained_at = await self._train_in_thread(groups, before, save)
             trained = True
             if saved is not None and self._stage is not None:
                 staging = asyncio.ensure_future(self._stage(saved))
@@ -113,7 +116,9 @@ class SampleAhead:
             self.row["ahead_wait_s"] = t2 - t1
             if staging is not None:
                 saved = await staging
-            self.row["reload_wait_s"] = time.perf_counter() - t2  # the session adds its publish's seconds
+            # from when both the update and the rollouts ahead had ended: the save and load left then
+            ready = max(trained_at, ahead_done_at[0] if ahead_done_at else t2)
+            self.row["reload_wait_s"] = time.perf_counter() - ready  # the session adds its publish's seconds
         except BaseException:
             if staging is not None and not staging.done():
                 staging.cancel()  # a load the server may still make: the next stage or publish unloads it
@@ -127,16 +132,18 @@ class SampleAhead:
         return metrics, train_s, (None, None), saved
 
     async def _train_in_thread(self, groups, before: int, save) -> tuple:
-        """(metrics, train_s, saved): trainer.train_step, then `save()`, in a worker thread, so the
-        event loop keeps sampling meanwhile. A `save` that fails undoes the update itself; once the
+        """(metrics, train_s, saved, trained_at): trainer.train_step, then `save()`, in a worker
+        thread, so the event loop keeps sampling meanwhile; trained_at is the perf_counter() at which
+        the update ended. A `save` that fails undoes the update itself; once the
         step is cancelled nothing more is saved."""
         cancelled = threading.Event()
 
         def work():
             t0 = time.perf_counter()
             metrics = self.trainer.train_step(groups)
-            train_s = time.perf_counter() - t0
-            return metrics, train_s, save() if save is not None and not cancelled.is_set() else None
+            trained_at = time.perf_counter()
+            saved = save() if save is not None and not cancelled.is_set() else None
+            return metrics, trained_at - t0, saved, trained_at
 
         update = asyncio.ensure_future(asyncio.to_thread(work))
         try:

@@ -507,12 +507,13 @@ class GRPORun:
         then count the load too. A load that fails is logged, and the reload makes it (under
         `with_restarts`) once the rollouts are in."""
         version, save_s = saved
+        t0 = time.perf_counter()
         try:
             return version, save_s + await self.publisher.stage(version)
         except Exception as e:  # noqa: BLE001 — the reload loads it: its errors are raised there
             log.warning("loading %s beside the rollouts ahead failed (%s: %s); it is loaded after them",
                         version.name, type(e).__name__, e)
-            return saved
+            return version, save_s + time.perf_counter() - t0  # the failed load was reload work too
 
     async def _save_and_reload(self, groups, saved: tuple[AdapterVersion, float] | None = None):
         """Save the update's adapter (unless `saved` already: (version, seconds)), load it into the

@@ -262,6 +262,25 @@ def test_committed_step_results_newest_per_hardware_and_kept_apart(tmp_path):
     assert load_results(tmp_path).empty
 
 
+def test_medians_leave_out_the_steps_without_that_part():
+    """A skipped update has no reload (NaN): statistics.median's answer with a NaN in the list
+    depends on where it sits."""
+    nan = float("nan")
+    assert {step_job._median(xs) for xs in ([nan, 0.1, 0.2, 0.3], [0.1, nan, 0.2, 0.3], [0.1, 0.2, 0.3, nan])} == {0.2}
+    assert math.isnan(step_job._median([nan]))
+
+
+def test_rows_from_before_reload_wait_say_what_they_can(tmp_path):
+    """A synchronous artsg_nb row waited for all of its reload, TRL for none; a pipelined one is unknown."""
+    rows = [{**{c: 1.0 for c in step.COLUMNS[:step.COLUMNS.index("job") + 1]}, "framework": fw, "pipeline": pipe,
+             "hardware": "H100", "reload_s_median": 0.08, "commit": "abc"}
+            for fw, pipe in [("artsg_nb", False), ("artsg_nb", True), ("trl", False)]]
+    pd.DataFrame(rows).to_csv(tmp_path / "20261201-step-h100.csv", index=False)  # no reload_wait_s_median
+    for df in (load_step_results(tmp_path), step.earlier_rows(tmp_path / "20261201-step-h100.csv")):
+        wait = list(df["reload_wait_s_median"])
+        assert wait[0] == 0.08 and math.isnan(wait[1]) and wait[2] == 0.0, wait
+
+
 def test_a_commit_of_digits_and_one_e_is_read_back_as_text(tmp_path):
     """`5683e12` (a real hash) read as a number became 5.683e+15 in notebook 03's table."""
     row = {**{c: 1.0 for c in step.COLUMNS}, "framework": "artsg_nb", "hardware": "NVIDIA H100 x1",
@@ -284,7 +303,7 @@ def cpu_bench(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.slow
 def test_cpu_step_bench_every_leg(cpu_bench):
-    _, df, saved = cpu_bench
+    cfg, df, saved = cpu_bench
     assert list(saved.columns) == step.COLUMNS
     assert list(zip(saved["framework"], saved["pipeline"])) == [("artsg_nb", False), ("artsg_nb", True), ("trl", False)]
     assert (saved["steps"] == 2).all()
@@ -297,7 +316,10 @@ def test_cpu_step_bench_every_leg(cpu_bench):
     assert (saved.loc[:1, "reload_s_median"] > 0).all() and saved.loc[2, "reload_s_median"] == 0
     # waited for: all of a synchronous reload, part of a pipelined one (its history's reload_wait_s), none for TRL
     assert saved.loc[0, "reload_wait_s_median"] == saved.loc[0, "reload_s_median"]
-    assert saved.loc[1, "reload_wait_s_median"] > 0 and saved.loc[2, "reload_wait_s_median"] == 0
+    assert saved.loc[2, "reload_wait_s_median"] == 0
+    history = Path(step.artsg_run_config(cfg, 8, True).run_dir) / "history.jsonl"
+    waits = [json.loads(line)["reload_wait_s"] for line in history.read_text().splitlines()]
+    assert saved.loc[1, "reload_wait_s_median"] == pytest.approx(step_job._median(waits[cfg.warmup:])), waits
     r = step_ratios(df)
     assert list(r.index) == [(8, False), (8, True)] and r["speedup_vs_trl"].notna().all()
     assert not math.isnan(r.loc[(8, True), "first_train_s"])

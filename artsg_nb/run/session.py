@@ -281,8 +281,7 @@ class GRPORun:
         write_rollouts(self.run_dir, step, groups)
         n_constant, no_signal = constant_groups(groups)
         if no_signal:  # every group has one reward: no gradient; see _skip_update
-            metrics, train_s, memory_s, (version, reload_s, probe) = self._skip_update(n_constant)
-            waited_s = 0.0
+            metrics, train_s, memory_s, (version, reload_s, probe, waited_s) = self._skip_update(n_constant)
             await self._scrape_metrics()
         else:
             metrics, train_s, memory_s, saved = await train(groups, step)
@@ -413,7 +412,8 @@ class GRPORun:
         except AdapterSaveError:
             self.trainer.step -= 1
             raise
-        return {"zero_adv_groups": n_constant, "update_skipped": True}, 0.0, (None, None), (version, None, {})
+        # no reload: (version, reload_s, probe result, waited_s) as _save_and_reload returns them
+        return {"zero_adv_groups": n_constant, "update_skipped": True}, 0.0, (None, None), (version, None, {}, 0.0)
 
     def _save_fn(self, tmp: Path) -> None:
         """The adapter and its checkpoint, both written before the version is renamed into place."""

@@ -188,21 +188,23 @@ def test_a_step_cancelled_after_its_early_save_rolls_back_even_to_a_checkpoint_k
 
         run.trainer.train_step, run._rollouts = recording_train, slow_rollouts
 
-        async def interrupt_after_the_update():
-            step = asyncio.ensure_future(run.step())
-            while not updated.is_set():
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)
-            step.cancel()
-            await asyncio.wait([step])
-            return step
-
-        assert asyncio.run(interrupt_after_the_update()).cancelled()
+        assert asyncio.run(_interrupt_step(run, updated.is_set, after_s=0.3)).cancelled()
         assert run.trainer.step == 1 and run.adapter == "policy-step-1"
         run._rollouts = real_rollouts
         row = asyncio.run(run.step())
         assert row["step"] == 2 and run.adapter == "policy-step-2"
 
+
+
+async def _interrupt_step(run, ready, after_s: float = 0.0) -> asyncio.Future:
+    """run.step(), cancelled (a notebook's interrupt) `after_s` after `ready()` turns true; the step's future."""
+    step = asyncio.ensure_future(run.step())
+    while not ready():
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(after_s)
+    step.cancel()
+    await asyncio.wait([step])
+    return step
 
 
 def _slow_ahead(run, seconds):
@@ -256,15 +258,7 @@ def test_a_step_cancelled_after_staging_its_adapter_can_be_run_again(tiny_model_
         real_rollouts = run._rollouts
         _slow_ahead(run, 30)  # still running when the step is interrupted
 
-        async def interrupt_after_staging():
-            step = asyncio.ensure_future(run.step())
-            while not run.publisher.staged_loaded:
-                await asyncio.sleep(0.01)
-            step.cancel()
-            await asyncio.wait([step])
-            return step
-
-        assert asyncio.run(interrupt_after_staging()).cancelled()
+        assert asyncio.run(_interrupt_step(run, lambda: run.publisher.staged_loaded)).cancelled()
         assert run.trainer.step == 1 and run.adapter == "policy-step-1"
         assert run.publisher.staged is not None and run.publisher.staged.name == "policy-step-2"
         run._rollouts = real_rollouts

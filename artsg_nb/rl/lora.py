@@ -221,11 +221,10 @@ class AdapterPublisher:
     async def publish(self, version: AdapterVersion) -> float:
         """Load `version` into the server (unless `stage` did), then unload older versions;
         seconds taken."""
-        check_inside(version.path, self.run_dir)
         t0 = time.perf_counter()
         if not (self.staged is version and self.staged_loaded):
             await self._drop_staged()
-            await self.client.load_adapter(version.name, str(version.path.resolve()))
+            await self._load(version, self.client)
         self.staged, self.staged_loaded = None, False
         self.served.append(version)
         while len(self.served) > self.keep:
@@ -238,12 +237,11 @@ class AdapterPublisher:
         rollouts ahead still sample from the current version): its `publish` then only unloads
         the older ones. Requests name their adapter, so nothing samples from it before then.
         Seconds taken."""
-        check_inside(version.path, self.run_dir)
         t0 = time.perf_counter()
         await self._drop_staged()
         self.staged, self.staged_loaded = version, False  # from the request on, the server may hold it
         client = self.client
-        await client.load_adapter(version.name, str(version.path.resolve()))
+        await self._load(version, client)
         # loaded on the server that is there now, not one a restart replaced meanwhile
         self.staged_loaded = self.staged is version and self.client is client
         return time.perf_counter() - t0
@@ -288,9 +286,13 @@ class AdapterPublisher:
         if not self.served:
             return
         newest = self.served[-1]
-        check_inside(newest.path, self.run_dir)
-        await self.client.load_adapter(newest.name, str(newest.path.resolve()))
+        await self._load(newest, self.client)
         self.served = [newest]
+
+    async def _load(self, version: AdapterVersion, client) -> None:
+        """Load `version` through `client`, only from inside the run directory."""
+        check_inside(version.path, self.run_dir)
+        await client.load_adapter(version.name, str(version.path.resolve()))
 
     async def _unload(self, name: str, quiet: bool = False) -> None:
         """Unload `name`; one the server does not hold is no error (`quiet`: a staged version,

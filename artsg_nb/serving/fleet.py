@@ -282,13 +282,14 @@ class FleetClient:
     async def unload_adapter(self, name: str) -> None:
         """Unload on every worker; returns once each has answered. A worker that does not hold it
         (restarted, or its load failed) is no error unless none holds it (UnknownAdapterError)."""
-        answers = await asyncio.gather(*[c.unload_adapter(name) for c in self.workers], return_exceptions=True)
-        errors = [a for a in answers if isinstance(a, BaseException)]
-        other = [e for e in errors if not isinstance(e, UnknownAdapterError)]
-        if other:
-            raise other[0]
-        if errors and len(errors) == len(answers):
-            raise errors[0]
+        async def unload(client) -> bool:
+            try:
+                await client.unload_adapter(name)
+            except UnknownAdapterError:
+                return False
+            return True
+        if not any(await self._all(unload)):
+            raise UnknownAdapterError(f"no worker holds adapter {name}")
 
     async def list_adapters(self) -> dict[str, str]:
         """The adapters every worker holds (the router's /v1/models is its own, not the workers')."""

@@ -381,3 +381,18 @@ def test_plot_step_benchmark_draws_each_job_of_a_file_apart():
     assert len(ax.patches) == 2 * 4 * 3
     texts = [t.get_text() for t in ax.texts]
     assert "artsg_nb (cpu)\n0.50 s" in texts and "artsg_nb (cpu)\n1.00 s" in texts
+
+
+def test_plot_step_benchmark_draws_the_mean_of_a_leg_measured_twice():
+    """A file holding two runs of each leg (two calls merged, as bench.step_ratios averages them)
+    draws one bar per leg at their mean; before, the repeated rows stopped the chart with
+    "cannot reindex on an axis with duplicate labels"."""
+    plt.close("all")
+    first, second = step_df(), step_df()
+    second[["step_s_median", "rollout_s_median"]] = second[["step_s_median", "rollout_s_median"]] * 3
+    ax = plots.plot_step_benchmark(pd.concat([first, second], ignore_index=True)).axes[0]
+    assert len(ax.patches) == 2 * 2 * 3
+    texts = [t.get_text() for t in ax.texts]
+    assert "artsg_nb (cpu)\n2.00 s" in texts and "trl\n34.00 s" in texts, texts
+    tops = {round(p.get_y() + p.get_height(), 3) for p in ax.patches}
+    assert 1.45 in tops  # artsg_nb at 8 tokens: rollout (0.5 + 1.5) / 2 + train 0.3 + reload 0.15

@@ -1,7 +1,7 @@
 """The step benchmark's chart: where each framework's GRPO step time goes.
 
 `plot_step_benchmark(df)` draws the frame bench.step writes (one row per framework x job, and per
-pipeline setting for artsg_nb) as stacked bars: rollout, train and reload medians per framework,
+pipeline setting for artsg_nb; a leg with several rows at their mean) as stacked bars: rollout, train and reload medians per framework,
 one group of bars per job (max_new_tokens; and per `job` shape when a frame holds several, named
 under the tick), with the median step time written over each bar (a
 step also spends time outside the three phases: scheduling, metrics, Python). A pipelined artsg_nb
@@ -48,6 +48,14 @@ def _groups(df: pd.DataFrame) -> pd.Series:
     return tokens + "\n" + jobs.replace("", "(job not recorded)")
 
 
+def _mean_per_group(rows: pd.DataFrame) -> pd.DataFrame:
+    """One label's rows, one per bar group: a leg measured more than once (two calls merged into
+    one file) at the mean of its medians, as bench.step_ratios averages them."""
+    columns = [column for column, _, _ in PHASES] + ["step_s_median"]
+    numbers = rows[columns].apply(pd.to_numeric, errors="coerce").assign(group=rows["group"])
+    return numbers.groupby("group", sort=False).mean()
+
+
 def _segments(rows: pd.DataFrame, pipelined: bool) -> list[np.ndarray]:
     """Each phase's bar heights for one label's rows (one per job, NaN phases as 0). Pipelined:
     scaled so that they add up to the row's median step time (its phases overlap; stacked as
@@ -88,7 +96,7 @@ def plot_step_benchmark(df: pd.DataFrame, ax: Axes | None = None) -> Figure:
     width = 0.8 / len(labels)
     for j, label in enumerate(labels):
         pipelined = bool(df.loc[df["label"] == label, "pipelined"].any())
-        rows = df[df["label"] == label].set_index("group").reindex(jobs)
+        rows = _mean_per_group(df[df["label"] == label]).reindex(jobs)
         x = np.arange(len(jobs)) - 0.4 + width * (j + 0.5)
         bottom = np.zeros(len(jobs))
         for (_, name, colour), h in zip(PHASES, _segments(rows, pipelined)):

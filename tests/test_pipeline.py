@@ -286,3 +286,135 @@ def test_reload_wait_counts_the_save_left_after_rollouts_that_ended_before_the_u
         rows = [asyncio.run(run.step()) for _ in range(2)]
     assert all(r["ahead_wait_s"] < 0.1 for r in rows), rows
     assert all(r["reload_wait_s"] >= 0.5 for r in rows), [r["reload_wait_s"] for r in rows]
+
+
+def _slow_updates(run, seconds):
+    """Every update takes `seconds` longer (the rollouts ahead end first: an 8-token step's shape);
+    returns the list of (start, end) perf_counter() times of the updates, filled as they run."""
+    real, spans = run.trainer.train_step, []
+
+    def slow(groups):
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        metrics = real(groups)
+        spans.append((t0, time.perf_counter()))
+        return metrics
+
+    run.trainer.train_step = slow
+    return spans
+
+
+def _record_loads(run):
+    """(adapter name, when its load returned) per load the client sends; the list, filled as they come."""
+    loads, real = [], run.client.load_adapter
+
+    async def load(name, path):
+        result = await real(name, path)
+        loads.append((name, time.perf_counter()))
+        return result
+
+    run.client.load_adapter = load
+    return loads
+
+
+def test_run_loads_a_version_beside_the_next_update_when_the_rollouts_ahead_ended_first(tiny_model_dir, tmp_path):
+    """In run(), a pipelined step whose rollouts ahead end before its update leaves its version to
+    the next step: its load goes beside that step's update instead of between the two updates.
+    The first step's version is checked on the server (served in its step), the last one's served
+    before run() returns; the rollouts stay one version old."""
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        updates = _slow_updates(run, 1.0)
+        loads = _record_loads(run)
+        served_after = []  # (served adapter, the trainer's version) as each row comes
+        asyncio.run(run.run(4, on_step=lambda row: served_after.append((run.adapter, run.weights_version))))
+        rows = run.history.df.to_dict("records")
+        assert run.adapter == run.weights_version == "policy-step-4" and run._unpublished is None
+        assert set(run.samples(4)["adapter"]) == {"policy-step-2"}
+    assert [name for name, _ in loads] == [f"policy-step-{s}" for s in range(5)], loads
+    # versions 2 and 3 were loaded while the next update ran (before: after their own update, and
+    # before the next one started); version 1 (checked) and 4 (the last) in their own steps
+    for version in (2, 3):
+        next_start, next_end = updates[version]
+        assert next_start < loads[version][1] < next_end, (version, loads, updates)
+    for version in (1, 4):
+        assert updates[version - 1][1] < loads[version][1] and (version == 4 or loads[version][1] < updates[version][0])
+    assert [r["adapter"] for r in rows] == [f"policy-step-{s}" for s in (1, 2, 3, 4)]
+    assert served_after == [("policy-step-1", "policy-step-1"), ("policy-step-1", "policy-step-2"),
+                            ("policy-step-2", "policy-step-3"), ("policy-step-4", "policy-step-4")]
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
+    assert rows[0]["probe_mad"] is not None, "the first reload on a server is checked, so served in its step"
+    assert all(r["reload_s"] > 0 for r in rows), rows
+
+
+def test_a_version_run_left_unserved_is_served_before_anything_samples_or_exports(tiny_model_dir, tmp_path):
+    """run() stopped (here by its on_step) after a step that left its version to the next:
+    export() takes that version, rollouts() and evaluate() serve it first, never the one before."""
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        def stop_after_two(row):
+            if row["step"] == 2:
+                raise KeyboardInterrupt  # the notebook's interrupt, between steps
+
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(run.run(5, on_step=stop_after_two))
+        assert run.adapter == "policy-step-1" and run.weights_version == "policy-step-2"
+        assert run.export(tmp_path / "out").exists()
+        assert (tmp_path / "out" / "adapter_model.safetensors").read_bytes() == (
+            run.run_dir / "adapters" / "policy-step-2" / "adapter_model.safetensors").read_bytes()
+        groups = asyncio.run(run.rollouts([0]))
+        assert {t.adapter for g in groups for t in g.trajectories} == {"policy-step-2"}
+        assert run.adapter == "policy-step-2" and run._unpublished is None
+        row = asyncio.run(run.step())
+        assert row["step"] == 3 and run.adapter == "policy-step-3"
+
+
+def test_a_version_staged_while_the_one_before_is_still_being_served_waits_for_it(tiny_model_dir, tmp_path):
+    """Step 3's update and save end while step 2's version, left to it, is still loading (a slow
+    load): the stage of version 3 waits for that serve. Before, it unloaded version 2 while it
+    was being served, and the serve then unloaded version 3: each loaded twice, one refused."""
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        real_train = run.trainer.train_step
+
+        def slow_second(groups):  # step 2 leaves its version after rollouts ahead that ended first
+            if run.trainer.step == 1:
+                time.sleep(1.5)
+            return real_train(groups)
+
+        run.trainer.train_step = slow_second
+        calls, real_load, real_unload = [], run.client.load_adapter, run.client.unload_adapter
+
+        async def load(name, path):
+            calls.append(("load", name))
+            if name == "policy-step-2":
+                await asyncio.sleep(1.0)  # still loading when step 3's update has saved
+            return await real_load(name, path)
+
+        async def unload(name):
+            calls.append(("unload", name))
+            return await real_unload(name)
+
+        run.client.load_adapter, run.client.unload_adapter = load, unload
+        asyncio.run(run.run(4))
+        held = asyncio.run(run.client.list_adapters())
+        assert run.adapter == "policy-step-4" and sorted(held) == ["policy-step-4"], held
+    loads = [name for op, name in calls if op == "load"]
+    assert loads == [f"policy-step-{s}" for s in range(5)], calls
+    assert [name for op, name in calls if op == "unload"] == [f"policy-step-{s}" for s in range(4)], calls
+
+
+def test_a_run_whose_last_step_has_no_signal_ends_with_the_newest_version_served(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """The step before the last left its version to it; the last one skips its update (every group's
+    rewards equal): it serves that version itself, there is no update to load it beside."""
+    import artsg_nb.run.session as session_module
+    real, seen = session_module.constant_groups, []
+
+    def last_without_signal(groups):
+        seen.append(1)
+        return (len(groups), True) if len(seen) == 3 else real(groups)
+
+    monkeypatch.setattr(session_module, "constant_groups", last_without_signal)
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        asyncio.run(run.run(3))
+        rows = run.history.df.to_dict("records")
+        assert bool(rows[-1]["update_skipped"]) and run.trainer.step == 3
+        assert run.adapter == run.weights_version == "policy-step-2" and run._unpublished is None

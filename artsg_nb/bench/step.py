@@ -11,8 +11,10 @@ per-device batch = groups x G, one generation batch per optimizer step), the lea
 (constant, AdamW), temperature 1.0, the loss (dapo, ε 0.2 / 0.28, scale_rewards "group"), beta 0,
 no gradient checkpointing. TRL generates with plain `model.generate` (use_vllm=False) and is
 timed per step by a TrainerCallback (on_step_begin/end); its rollout time is its `_generate`.
-artsg_nb is timed around `await GRPORun.step()` (rollout_s / train_s / reload_s from the row) and
-`GRPORun.start()`, at RunConfig's defaults except the job's fields (`artsg_run_config`): the
+artsg_nb runs its steps as a notebook's training cell does, `await GRPORun.run(steps)`, each step
+timed from the row before to its own (rollout_s / train_s / reload_s from the row; a pipelined
+step followed by another serves its version in the next one, beside its update), and
+`GRPORun.start()` is timed too, at RunConfig's defaults except the job's fields (`artsg_run_config`): the
 served-adapter check included, unless `--verify-adapter False`.
 
 A leg is one framework x max_new_tokens, and for artsg_nb also one RunConfig(pipeline=...) value
@@ -86,12 +88,16 @@ async def artsg_leg(cfg: StepBenchConfig, max_new: int, pipeline: bool = False) 
     t0 = time.perf_counter()
     run = GRPORun(rc).start()
     start_s = time.perf_counter() - t0
-    step_s, rows = [], []
+    step_s, rows, last = [], [], [time.perf_counter()]
+
+    def timed(row: dict) -> None:  # a step's time: from the row before to its own, as `run()` goes
+        now = time.perf_counter()
+        rows.append(row)
+        step_s.append(now - last[0])
+        last[0] = now
+
     try:
-        for _ in range(cfg.steps):
-            t0 = time.perf_counter()
-            rows.append(await run.step())
-            step_s.append(time.perf_counter() - t0)
+        await run.run(cfg.steps, on_step=timed)
     finally:
         run.stop()
     col = lambda k: [float(r[k]) if r.get(k) is not None else float("nan") for r in rows]  # noqa: E731

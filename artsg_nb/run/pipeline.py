@@ -16,6 +16,11 @@ how long the step waited for its reload once both the update and those rollouts 
 counts the save and load wherever they ran), corrected by importance
 sampling against the server's logprobs (session makes grpo.is_mode default to "token_truncate",
 TRL's truncated IS, when pipelining).
+In `GRPORun.run()` a step followed by another may leave its version unpublished when the rollouts
+ahead ended before its update (an 8-token step's: the save and load would come after both, on the
+step's path): the next step's rollouts ahead serve it first (`serve_newest`), beside that step's
+update, which needs only the trainer's weights. They still sample from the version the update
+starts from, so staleness stays at most 1.
 
 Invariants: the rollouts sampled ahead use the seeds of the step they will train (a pipelined
 run draws the same prompts); they go through the same `with_restarts` and served-adapter check as
@@ -55,13 +60,17 @@ class SampleAhead:
     """Rollouts of step n+1 on the server while the trainer updates on step n's (module docstring)."""
 
     def __init__(self, pipeline: bool, trainer, run_dir: Path, supervisor: ServerSupervisor,
-                 rollouts: Callable[[int], Awaitable[tuple]], stage: Callable[[tuple], Awaitable[tuple]] | None = None):
+                 rollouts: Callable[[int], Awaitable[tuple]], stage: Callable[[tuple], Awaitable[tuple]] | None = None,
+                 serve_newest: Callable[[], Awaitable[None]] | None = None,
+                 weights_version: Callable[[], str | None] | None = None):
         self.pipeline = pipeline
         self.trainer = trainer
         self.run_dir = run_dir
         self.supervisor = supervisor
         self._rollouts = rollouts  # step -> (groups, hit_rate): the run's rollouts of that step
         self._stage = stage  # saved -> saved: the saved version loaded into the server, not served yet
+        self._serve_newest = serve_newest  # serves a version the step before left unpublished, if any
+        self._weights_version = weights_version or (lambda: supervisor.weights_version)  # the trainer's
         self.ahead: tuple | None = None  # (step, groups, hit_rate, rollout_s) sampled during the last update
         self.ahead_task: asyncio.Task | None = None  # the rollouts being sampled ahead, while a step runs
         self.row: Mapping = MappingProxyType({})  # this step's pipelining columns of the history row
@@ -73,22 +82,29 @@ class SampleAhead:
             groups, hit, rollout_s = ahead[1:]
         else:
             groups, hit, rollout_s = await self._timed_rollouts(step)
-        self.row = ({"staleness": staleness(groups, self.supervisor.weights_version), "ahead_wait_s": None,
+        self.row = ({"staleness": staleness(groups, self._weights_version()), "ahead_wait_s": None,
                      "reload_wait_s": None} if self.pipeline else {})
         return groups, hit, rollout_s
 
     async def _timed_rollouts(self, step: int):
+        """(groups, hit_rate, rollout_s) of `step`, under the trainer's newest version: one the step
+        before left unpublished is served first (its seconds are not rollout_s)."""
+        if self._serve_newest is not None:
+            await self._serve_newest()
         t0 = time.perf_counter()
         groups, hit = await self.supervisor.with_restarts(self._rollouts, step)
         return groups, hit, time.perf_counter() - t0
 
-    async def train(self, groups, step: int, update, release: bool, save: Callable[[], tuple] | None = None):
+    async def train(self, groups, step: int, update, release: bool, save: Callable[[], tuple] | None = None,
+                    leave_unpublished: bool = False):
         """(metrics, train_s, (release_s, resume_s), saved): `update(groups)` (the synchronous
         update, when not pipelining: it returns the same, saved None), or the trainer's update
         overlapped with step+1's rollouts, followed in its worker thread by `save()` (the new
         adapter version written while those rollouts still run; saved is what it returned, None
         without `save`), then by the constructor's `stage(saved)` beside the rollouts still
-        running (saved is then what that returned)."""
+        running (saved is then what that returned). With `leave_unpublished` (the next step serves
+        the version) it is staged only while those rollouts still run: after them the next step
+        loads it beside its own update."""
         if not self.pipeline:
             return await update(groups)
         if release:
@@ -102,7 +118,7 @@ class SampleAhead:
         try:
             metrics, train_s, saved, trained_at = await self._train_in_thread(groups, before, save)
             trained = True
-            if saved is not None and self._stage is not None:
+            if saved is not None and self._stage is not None and not (leave_unpublished and ahead.done()):
                 staging = asyncio.ensure_future(self._stage(saved))
             t1 = time.perf_counter()
             try:

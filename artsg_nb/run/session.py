@@ -22,6 +22,7 @@ LoRA weights (see grpo.py for the exact loss).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -92,6 +93,10 @@ class GRPORun:
         self.history: History | None = None
         self.release = False  # resolved cfg.release_memory; may be toggled between steps
         self._unwritten_row: dict | None = None  # a completed step whose history write failed
+        self._unpublished: AdapterVersion | None = None  # saved by a step of run(), served by the next (_serve_newest)
+        self._publish_s = 0.0  # seconds _serve_newest took since the last row: that row's reload_s counts them
+        self._scrape: asyncio.Future | None = None  # the /metrics scrape sent beside _serve_newest's publish
+        self._adapter_lock: asyncio.Lock | None = None  # a step's: its _serve_newest and its _stage never interleave
         self._verified_on_server: int | None = None  # supervisor.restarts at the last adapter check
         self.watchdog = HealthWatchdog(lambda: supervisor.server, lambda: supervisor.client, cfg.hang_timeout_s)
         supervisor = self.supervisor = ServerSupervisor(self.watchdog, cfg.max_restarts, self.run_dir)
@@ -157,7 +162,8 @@ class GRPORun:
         self.history = History.load(self.run_dir) if cfg.resume else History(self.run_dir)
         self.publisher = AdapterPublisher(self.client, self.run_dir)
         self.sampler = SampleAhead(cfg.pipeline, self.trainer, self.run_dir, self.supervisor,
-                                   lambda step: self._rollouts(step), self._stage)
+                                   lambda step: self._rollouts(step), self._stage,
+                                   lambda: self._serve_newest(scrape=True), lambda: self.weights_version)
         adapters = self.run_dir / "adapters"
         remove_stale_tmp(adapters)
         # policy-step-0 is the untrained LoRA (B = 0, so it serves the base model's outputs).
@@ -214,7 +220,14 @@ class GRPORun:
 
     @property
     def adapter(self) -> str | None:
+        """The adapter version the server serves now (None before the first step)."""
         return self.supervisor.adapter
+
+    @property
+    def weights_version(self) -> str | None:
+        """The adapter version the trainer's weights are: the served one, or one a step of `run()`
+        saved and left to the next step to serve (`_serve_newest`)."""
+        return self._unpublished.name if self._unpublished else self.supervisor.weights_version
 
     # ---- one GRPO step -----------------------------------------------------------------------
     async def step(self) -> dict:
@@ -222,14 +235,31 @@ class GRPORun:
 
         While it runs, the watchdog turns a server that stops answering for hang_timeout_s into
         a restart (its process group is killed, the step's server work redone)."""
+        return await self._watched_step(publish=True)
+
+    async def _watched_step(self, publish: bool) -> dict:
+        """One step under the watchdog. publish=False (a step of `run()` followed by another): a
+        pipelined step may leave its new version saved and unserved (`_leaves_unpublished`); the
+        next step loads and serves it beside its own update (pipeline.SampleAhead)."""
         if self.trainer is None:
             raise RuntimeError("call start() before step()")
         self._write_unwritten_row()
+        self._begin_step()
         self.watchdog.start()
         try:
-            return await self._step()
+            return await self._step(publish)
         finally:
+            self._end_step()
             await self.watchdog.stop()
+
+    def _begin_step(self) -> None:
+        """A step's own lock and counters (each step may run in its own event loop: asyncio.run per cell)."""
+        self._adapter_lock, self._publish_s, self._scrape = asyncio.Lock(), 0.0, None
+
+    def _end_step(self) -> None:
+        scrape, self._scrape, self._adapter_lock = self._scrape, None, None
+        if scrape is not None and not scrape.done():  # a step that failed before its row awaited it
+            scrape.cancel()
 
     async def train_on(self, groups) -> dict:
         """step()'s second half on groups rolled out elsewhere (artsg_nb.art: ART's rollouts, from
@@ -237,13 +267,16 @@ class GRPORun:
         if self.trainer is None:
             raise RuntimeError("call start() before train_on()")
         self._write_unwritten_row()
+        self._begin_step()
         self.watchdog.start()
         try:
             await self.serve_initial()
+            await self._serve_newest()
             self.sampler.row = {}
             return await self._update(self.trainer.step + 1, groups, None, None,
                                       lambda gs, _step: self._train_unsaved(gs))
         finally:
+            self._end_step()
             await self.watchdog.stop()
 
     async def serve_initial(self) -> None:
@@ -264,36 +297,60 @@ class GRPORun:
             row, self._unwritten_row = self._unwritten_row, None
             self._write_row(row)
 
-    async def _step(self) -> dict:
+    async def _step(self, publish: bool = True) -> dict:
         await self.serve_initial()
         step = self.trainer.step + 1
-        log.info("step %d: rollouts under %s", step, self.adapter)  # phases in the log: a stall names its phase
+        log.info("step %d: rollouts under %s", step, self.weights_version)  # phases in the log: a stall names its phase
         groups, hit_rate, rollout_s = await self.sampler.rollouts(step)  # pipeline.py: maybe sampled ahead
         log.info("step %d: %d groups in %.2f s; update%s", step, len(groups), rollout_s,
                  " (server memory released around it)" if self.release else "")
+        leave = not publish and self._leaves_unpublished(step)
         train = lambda gs, step: self.sampler.train(gs, step, self._train_unsaved, self.release,  # noqa: E731
-                                                    self._save_ahead)
-        return await self._update(step, groups, hit_rate, rollout_s, train)
+                                                    self._save_ahead, leave_unpublished=leave)
+        return await self._update(step, groups, hit_rate, rollout_s, train, leave)
 
-    async def _update(self, step: int, groups, hit_rate, rollout_s, train) -> dict:
-        """Rewards → update (`train(groups, step)`) → save + reload → the step's history row."""
+    def _leaves_unpublished(self, step: int) -> bool:
+        """Whether a step of `run()` leaves its new version to the next step to serve: pipelined
+        steps do, unless this one's row needs it served (its served-adapter check or evaluation)."""
+        cfg = self.cfg
+        return cfg.pipeline and not self._verify_due(step) and not (cfg.eval_every and step % cfg.eval_every == 0)
+
+    async def _update(self, step: int, groups, hit_rate, rollout_s, train, leave_unpublished: bool = False) -> dict:
+        """Rewards → update (`train(groups, step)`) → save + reload → the step's history row. With
+        `leave_unpublished` a version saved during the update (`saved`) is not loaded here: the
+        next step serves it (`_serve_newest`)."""
         require_rewards(groups)
         write_rollouts(self.run_dir, step, groups)
         n_constant, no_signal = constant_groups(groups)
         if no_signal:  # every group has one reward: no gradient; see _skip_update
             metrics, train_s, memory_s, (version, reload_s, probe, waited_s) = self._skip_update(n_constant)
+            if not leave_unpublished:  # no update to overlap with: the version before is served now
+                await self._serve_newest()
             await self._scrape_metrics()
         else:
             metrics, train_s, memory_s, saved = await train(groups, step)
-            log.info("step %d: update in %.2f s; save and reload", step, train_s)
-            scrape = asyncio.ensure_future(self._scrape_metrics())  # sent while the reload waits on the server
-            try:
-                version, reload_s, probe, waited_s = await self._save_and_reload(groups, saved)
-            except BaseException:
-                scrape.cancel()
-                raise
-            await scrape
-        row = step_row(step, self.adapter, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
+            if leave_unpublished and saved is not None:  # served by the next step, beside its update
+                log.info("step %d: update in %.2f s; %s saved, served from the next step", step, train_s,
+                         saved[0].name)
+                (version, reload_s), probe, waited_s = saved, {}, 0.0
+                self._unpublished = version
+            else:
+                log.info("step %d: update in %.2f s; save and reload", step, train_s)
+                # sent while the reload waits on the server, unless _serve_newest sent this step's
+                scrape = asyncio.ensure_future(self._scrape_metrics() if self._scrape is None else asyncio.sleep(0))
+                try:
+                    version, reload_s, probe, waited_s = await self._save_and_reload(groups, saved)
+                except BaseException:
+                    scrape.cancel()
+                    raise
+                await scrape
+        if self._scrape is not None:  # _serve_newest's, sent beside this step's update
+            await self._scrape
+            self._scrape = None
+        if self._publish_s:  # the publish of the version before, made in this step (_serve_newest)
+            reload_s = (reload_s or 0.0) + self._publish_s
+        self._publish_s = 0.0
+        row = step_row(step, self.weights_version, groups, metrics, hit_rate, (rollout_s, train_s, reload_s), probe,
                        memory_s, self.restarts)
         row.update(self.sampler.row)  # staleness, ahead_wait_s, reload_wait_s when pipelining
         if row.get("reload_wait_s") is not None:  # the load's wait (pipeline.py), then the publish's
@@ -304,7 +361,8 @@ class GRPORun:
         self._write_row(row)
         self.trackers.log(row)
         prune_adapters(self.run_dir / "adapters", self.cfg.keep_adapters, self.cfg.keep_every,
-                       protect=(self.publisher.current.step, version.step))
+                       protect=(self.publisher.current.step, version.step,
+                                *([self._unpublished.step] if self._unpublished else [])))
         return row
 
     def _write_row(self, row: dict) -> None:
@@ -321,11 +379,17 @@ class GRPORun:
 
     async def run(self, n_steps: int, on_step=None, live: bool = False) -> History:
         """`n_steps` more steps; `on_step(row)` after each. With `live` the curves and an ETA bar
-        redraw in this cell's output after each step (plots.LiveTraining)."""
+        redraw in this cell's output after each step (plots.LiveTraining).
+
+        With pipeline=True a step followed by another leaves its new version to that one, which
+        loads and serves it beside its own update (a step's period is then about its update, its
+        save and its rollouts' share, not the update plus the reload after it); the last step
+        serves its own, so the run ends with the newest version served. A `row["adapter"]` names
+        the version the step trained either way."""
         view = LiveTraining(n_steps, run_dir=self.run_dir) if live else None
         try:
-            for _ in range(n_steps):
-                row = await self.step()
+            for i in range(n_steps):
+                row = await self._watched_step(publish=i == n_steps - 1)
                 if view is not None:
                     view.step_done(self.history.df)
                 if self._dashboard is not None:
@@ -347,6 +411,7 @@ class GRPORun:
         by this batch (e.g. to compare schedules, bench.compare_schedules)."""
         if self.trainer is None:
             raise RuntimeError("call start() before rollouts()")
+        await self._serve_newest()
         if flush_cache:
             await self.client.flush_cache(timeout_s=30)
         return await self._collect(list(seeds), schedule or self.cfg.schedule)
@@ -356,6 +421,7 @@ class GRPORun:
         """Mean reward and pass@k of the served adapter on held-out prompts (evaluate.py); nothing
         is trained or published. A dict, with return_samples a (dict, samples DataFrame) pair."""
         cfg = self.cfg
+        await self._serve_newest()
         result = await evaluate(self.client, self.task, self.trainer.tokenizer, self.adapter, split=split, n=n, k=k,
                                 greedy=greedy, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                                 max_seq_tokens=cfg.max_seq_tokens, concurrency=cfg.concurrency, default_n=cfg.eval_n)
@@ -367,7 +433,8 @@ class GRPORun:
 
     def export(self, path, merge: bool = False) -> Path:
         """The served adapter as a PEFT adapter folder, or (merge=True) a merged model folder (export.py)."""
-        served = self.publisher.current or self._initial  # before the first step: the version to be served
+        # the trainer's newest version (a failed run() may have left it unserved); before the first step: the initial
+        served = self._unpublished or self.publisher.current or self._initial
         load = {"load_from": self.trainer.cfg.model_path} if merge else {}  # the local build, never the hub id
         return (export_merged if merge else export_adapter)(served.path, path, self.model_path, self.trainer.tokenizer, **load)
 
@@ -490,7 +557,7 @@ class GRPORun:
         that fails drops the update with it: the trainer returns to the served version (weights,
         optimizer, step, RNG), so the next step() redoes this step. A pipelined step runs this in
         its update's worker thread (pipeline.SampleAhead.train)."""
-        previous = self.publisher.current
+        previous = self._unpublished or self.publisher.current  # the version the trainer's weights are
         t0 = time.perf_counter()
         try:
             version = self._save_served()
@@ -509,7 +576,9 @@ class GRPORun:
         version, save_s = saved
         t0 = time.perf_counter()
         try:
-            return version, save_s + await self.publisher.stage(version)
+            # after the serve of the version before, if it is still under way (its stage would be dropped)
+            async with self._adapter_lock or contextlib.nullcontext():
+                return version, save_s + await self.publisher.stage(version)
         except Exception as e:  # noqa: BLE001 — the reload loads it: its errors are raised there
             log.warning("loading %s beside the rollouts ahead failed (%s: %s); it is loaded after them",
                         version.name, type(e).__name__, e)
@@ -530,6 +599,7 @@ class GRPORun:
         except BaseException:
             self.trainer.wait_for_checkpoint()  # the step stops here: its checkpoint on disk first
             raise
+        self._unpublished = None  # a version a failed step left unserved is superseded by this one
         t2 = time.perf_counter()
         reload_s = save_s + t2 - t1
         result = {}
@@ -547,6 +617,33 @@ class GRPORun:
             result = await self.supervisor.with_restarts(verify)
             self._verified_on_server = self.supervisor.restarts
         return version, reload_s, result, t2 - t0
+
+    async def _serve_newest(self, scrape: bool = False) -> None:
+        """Serve the version a step of `run()` left unpublished (`_leaves_unpublished`), before any
+        rollout from the server: the next step's rollouts ahead call it beside its update. Its
+        seconds count in the next row's reload_s; with `scrape` (inside a step) the step's /metrics
+        scrape goes beside it."""
+        version = self._unpublished
+        if version is None:
+            return
+        t0 = time.perf_counter()
+        async with self._adapter_lock or contextlib.nullcontext():
+            if self._unpublished is version:  # not served meanwhile (a stage waited for this serve)
+                await self.supervisor.with_restarts(self._serve, version)
+                self._unpublished = None
+        self._publish_s += time.perf_counter() - t0
+        if scrape and self._scrape is None:
+            self._scrape = asyncio.ensure_future(self._scrape_metrics())
+
+    async def _serve(self, version: AdapterVersion) -> None:
+        """Load `version` (unless a stage or an interrupted publish already did) and serve it; loaded
+        through `stage`, so a load cut short is unloaded before the next (lora.AdapterPublisher)."""
+        publisher = self.publisher
+        # current: a publish interrupted during its unload already serves it (the older version may
+        # then stay loaded on the server until a restart: it holds a slot, never a request)
+        if publisher.current is not version and not (publisher.staged is version and publisher.staged_loaded):
+            await publisher.stage(version)
+        await self.supervisor.publish(version)
 
     def _verify_due(self, step: int) -> bool:
         """Whether this reload's served adapter is checked (RunConfig.verify_every): the first

@@ -96,6 +96,16 @@ def test_config_json_records_an_importable_spec(user_module):
     assert rec["task"] == "in_a_notebook" and rec["task_note"] == tasks.NOT_IMPORTABLE
 
 
+def test_a_task_registered_in_a_notebook_is_still_recorded_as_not_importable(monkeypatch):
+    """register_task makes the name known in this process only: config.json must not claim another
+    process can load it by that name (before, any registered task was recorded without the note)."""
+    monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))
+    local = tasks.register_task(Task("registered_in_a_cell", "defined in a cell", max_turns=1, max_new_tokens=4,
+                                     factory=lambda s: None))
+    rec = config_record(RunConfig(task=local))
+    assert rec["task"] == "registered_in_a_cell" and rec["task_note"] == tasks.NOT_IMPORTABLE
+
+
 def test_a_registered_task_without_teacher_leaves_the_tiny_model_corpus_alone(monkeypatch):
     monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))
     before = tasks.pretraining_corpus(12, seed=3)

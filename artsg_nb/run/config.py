@@ -17,7 +17,7 @@ from typing import Sequence
 from ..engines import memory_tags
 from ..engines.base import ADMIN_TIMEOUT_S
 from ..rl.grpo import GRPOConfig
-from ..tasks.registry import NOT_IMPORTABLE, Task, UnknownTaskError, get_task, task_spec
+from ..tasks.registry import NOT_IMPORTABLE, Task, task_spec
 
 TINY_MODEL_LEARNING_RATE = 3e-3
 """learning_rate=None on the offline tiny model (both demo tasks climb from ~0.4-0.5 to ~0.85 in
@@ -183,14 +183,6 @@ def resolve_schedule(schedule: str, max_turns: int) -> str:
     return "n" if max_turns == 1 else "prefix"
 
 
-def _registered(task: Task) -> bool:
-    """Whether `task` is the one registered under its name (get_task finds it again by name)."""
-    try:
-        return get_task(task.name) is task
-    except UnknownTaskError:
-        return False
-
-
 class ConfigMismatchError(ValueError):
     """resume=True with a configuration that differs from the one the run was started with."""
 
@@ -200,12 +192,11 @@ def config_record(cfg: RunConfig) -> dict:
 
     `task` is recorded as a spec another process can load (`tasks.resolve_task`): the string as
     given, or for a Task object "module:ATTR" when an importable module holds it, or its registered
-    built-in name. A Task object defined in a notebook or `__main__` is not importable: the record
+    name when it is one of this package's (`tasks.task_spec`). A Task object defined in a notebook or
+    `__main__`, registered there or not, is not importable: the record
     keeps its name and adds `"task_note": "not importable"`, so the run says which task it was
     but cannot be started again from config.json alone."""
     spec, note = task_spec(cfg.task)
-    if note == NOT_IMPORTABLE and isinstance(cfg.task, Task) and _registered(cfg.task):
-        spec, note = cfg.task.name, None  # a package task registered outside registry.py (tasks/chat.py)
     record = json.loads(json.dumps(asdict(replace(cfg, task=spec)), default=str))
     if note == NOT_IMPORTABLE:
         record["task_note"] = NOT_IMPORTABLE

@@ -371,20 +371,24 @@ NOT_IMPORTABLE = "not importable"  # task_spec's note for a Task defined in a no
 
 def task_spec(task: "str | Task") -> tuple[str, str | None]:
     """(spec, note) to record a task in config.json. A string is kept as given. A Task object
-    gives "module:ATTR" when a module other than __main__ holds it at top level, else its
-    registered name when get_task returns it, else its name with the note NOT_IMPORTABLE: such a
-    run records which task it was, but no other process can load it by that spec."""
+    gives "module:ATTR" when a module other than __main__ and this package's holds it at top
+    level, else its registered name when it is one of this package's tasks (the built-ins, and
+    those its modules register on import, tasks/chat.py's), else its name with the note
+    NOT_IMPORTABLE: such a run (a task defined in a notebook, registered there or not) records
+    which task it was, but no other process can load it by that spec."""
     if isinstance(task, str):
         return task, None
-    main = sys.modules.get("__main__")
+    main, packaged = sys.modules.get("__main__"), any(t is task for t in _BUILTIN)
     for mod_name, mod in list(sys.modules.items()):
         # __main__ under any alias (multiprocessing's "__mp_main__") cannot be imported by name
-        if mod is None or mod is main or mod_name in ("__main__", "__mp_main__") or mod_name.startswith("artsg_nb"):
+        if mod is None or mod is main or mod_name in ("__main__", "__mp_main__"):
             continue
         for attr, value in list((getattr(mod, "__dict__", None) or {}).items()):
             if value is task and not attr.startswith("_"):
-                return f"{mod_name}:{attr}", None
-    if _TASKS.get(task.name) is task and any(t is task for t in _BUILTIN):
+                if not mod_name.startswith("artsg_nb"):
+                    return f"{mod_name}:{attr}", None
+                packaged = True  # recorded by its registered name, which every process has
+    if packaged and _TASKS.get(task.name) is task:
         return task.name, None
     return task.name, NOT_IMPORTABLE
 

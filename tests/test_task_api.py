@@ -17,7 +17,7 @@ import pytest
 
 import artsg_nb
 from artsg_nb.tasks import registry as tasks
-from artsg_nb.run.config import RunConfig, config_record
+from artsg_nb.run.config import RunConfig, check_resumable, config_record
 from artsg_nb.serving.server import ModelPathError
 from artsg_nb.run.session import GRPORun
 from artsg_nb.tasks.registry import Task, TaskImportError, UnknownTaskError, register_task, resolve_task
@@ -104,6 +104,8 @@ def test_a_task_registered_in_a_notebook_is_still_recorded_as_not_importable(mon
                                      factory=lambda s: None))
     rec = config_record(RunConfig(task=local))
     assert rec["task"] == "registered_in_a_cell" and rec["task_note"] == tasks.NOT_IMPORTABLE
+    # a run recorded before (by name, without the note) still resumes: only the task itself is compared
+    check_resumable({k: v for k, v in rec.items() if k != "task_note"}, RunConfig(task=local, resume=True))
 
 
 def test_a_registered_task_without_teacher_leaves_the_tiny_model_corpus_alone(monkeypatch):

@@ -385,17 +385,24 @@ def test_a_version_staged_while_the_one_before_is_still_being_served_waits_for_i
         async def load(name, path):
             calls.append(("load", name))
             if name == "policy-step-2":
-                await asyncio.sleep(1.0)  # still loading when step 3's update has saved
+                await asyncio.sleep(2.0)  # still loading when step 3's update has saved
             return await real_load(name, path)
 
         async def unload(name):
             calls.append(("unload", name))
             return await real_unload(name)
 
-        run.client.load_adapter, run.client.unload_adapter = load, unload
+        stages, real_stage = [], run.sampler._stage
+
+        async def stage(saved):  # (version staged, the version still being served beside it)
+            stages.append((saved[0].name, run._unpublished.name if run._unpublished else None))
+            return await real_stage(saved)
+
+        run.client.load_adapter, run.client.unload_adapter, run.sampler._stage = load, unload, stage
         asyncio.run(run.run(4))
         held = asyncio.run(run.client.list_adapters())
         assert run.adapter == "policy-step-4" and sorted(held) == ["policy-step-4"], held
+    assert ("policy-step-3", "policy-step-2") in stages, f"the case tested did not come up: {stages}"
     loads = [name for op, name in calls if op == "load"]
     assert loads == [f"policy-step-{s}" for s in range(5)], calls
     assert [name for op, name in calls if op == "unload"] == [f"policy-step-{s}" for s in range(4)], calls
@@ -418,3 +425,21 @@ def test_a_run_whose_last_step_has_no_signal_ends_with_the_newest_version_served
         rows = run.history.df.to_dict("records")
         assert bool(rows[-1]["update_skipped"]) and run.trainer.step == 3
         assert run.adapter == run.weights_version == "policy-step-2" and run._unpublished is None
+
+
+def test_every_step_of_run_takes_one_metrics_scrape(tiny_model_dir, tmp_path):
+    """One /metrics scrape a step, whether it serves its own version or leaves it to the next (a
+    fleet's per-worker figures and the dashboard's hit-rate windows are per step); before, a step
+    leaving its version after one that served its own took none."""
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        _slow_updates(run, 0.5)
+        scrapes, real = [], run.client.metrics_text
+
+        async def metrics_text():
+            scrapes.append(run.trainer.step)
+            return await real()
+
+        run.client.metrics_text = metrics_text
+        per_row = []
+        asyncio.run(run.run(4, on_step=lambda row: per_row.append(len(scrapes))))
+    assert [b - a for a, b in zip(per_row, per_row[1:])] == [1, 1, 1], (per_row, scrapes)

@@ -17,7 +17,7 @@ import pytest
 
 import artsg_nb
 from artsg_nb.tasks import registry as tasks
-from artsg_nb.run.config import RunConfig, check_resumable, config_record
+from artsg_nb.run.config import RunConfig, config_record
 from artsg_nb.serving.server import ModelPathError
 from artsg_nb.run.session import GRPORun
 from artsg_nb.tasks.registry import Task, TaskImportError, UnknownTaskError, register_task, resolve_task
@@ -104,8 +104,6 @@ def test_a_task_registered_in_a_notebook_is_still_recorded_as_not_importable(mon
                                      factory=lambda s: None))
     rec = config_record(RunConfig(task=local))
     assert rec["task"] == "registered_in_a_cell" and rec["task_note"] == tasks.NOT_IMPORTABLE
-    # a run recorded before (by name, without the note) still resumes: only the task itself is compared
-    check_resumable({k: v for k, v in rec.items() if k != "task_note"}, RunConfig(task=local, resume=True))
 
 
 def test_a_registered_task_without_teacher_leaves_the_tiny_model_corpus_alone(monkeypatch):
@@ -186,3 +184,28 @@ def test_a_dataset_task_with_a_trl_reward_trains_in_process(user_module, tiny_mo
     assert row["reward_errors"] == 0 and row["failed_rollouts"] == 0 and row["reward_mean"] == row["reward_mean"]
     assert row["tokens"] > 0
     assert json.loads((tmp_path / "run" / "config.json").read_text())["task"] == f"{user_module}:sums"
+
+
+def test_a_package_task_is_recorded_by_name_even_where_a_user_module_binds_it_too(tmp_path, monkeypatch):
+    """A user module that imports a package task (`from artsg_nb.tasks.chat import ADDITION_CHAT`)
+    must not change how a run records it (before: "mymod:ADDITION_CHAT", so a run started by name
+    refused to resume in a process that had imported that module); a user package whose name
+    merely starts with "artsg_nb" is a user module."""
+    from artsg_nb.tasks.chat import ADDITION_CHAT
+
+    (tmp_path / "binds_chat.py").write_text("from artsg_nb.tasks.chat import ADDITION_CHAT\n")
+    (tmp_path / "artsg_nb_ext.py").write_text(textwrap.dedent("""
+        from artsg_nb.tasks.registry import Task, register_task
+        EXT = register_task(Task("ext_task", "a user's", max_turns=1, max_new_tokens=4, factory=lambda s: None))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))
+    import importlib
+    importlib.import_module("binds_chat")
+    ext = importlib.import_module("artsg_nb_ext").EXT
+    try:
+        assert tasks.task_spec(ADDITION_CHAT) == ("addition_chat", None)
+        assert tasks.task_spec(ext) == ("artsg_nb_ext:EXT", None)
+    finally:
+        sys.modules.pop("binds_chat", None)
+        sys.modules.pop("artsg_nb_ext", None)

@@ -165,8 +165,7 @@ CONFIG_FILE = "config.json"
 _OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s", "verify_adapter", "verify_every", "concurrency",
                           "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to",
-                          "micro_batch_tokens",
-                          "task_note"})  # derived from `task`, which is compared; older records lack it
+                          "micro_batch_tokens"})
 """Fields that change how a run is operated, not what it computes: a resumed run may change them
 (micro_batch_tokens: the update is the same in any micro-batches, and since it may be None, sized
 at every update from free memory, runs saved with 8192 resume under the new default)."""

@@ -326,7 +326,8 @@ class GRPORun:
             metrics, train_s, memory_s, (version, reload_s, probe, waited_s) = self._skip_update(n_constant)
             if not leave_unpublished:  # no update to overlap with: the version before is served now
                 await self._serve_newest()
-            await self._scrape_metrics()
+            if self._scrape is None:  # unless _serve_newest sent this step's
+                await self._scrape_metrics()
         else:
             metrics, train_s, memory_s, saved = await train(groups, step)
             if leave_unpublished and saved is not None:  # served by the next step, beside its update
@@ -334,17 +335,15 @@ class GRPORun:
                          saved[0].name)
                 (version, reload_s), probe, waited_s = saved, {}, 0.0
                 self._unpublished = version
+                if self._scrape is None:  # the step's one /metrics scrape (none went beside a serve)
+                    self._scrape = asyncio.ensure_future(self._scrape_metrics())
             else:
                 log.info("step %d: update in %.2f s; save and reload", step, train_s)
                 # sent while the reload waits on the server, unless _serve_newest sent this step's
-                scrape = asyncio.ensure_future(self._scrape_metrics() if self._scrape is None else asyncio.sleep(0))
-                try:
-                    version, reload_s, probe, waited_s = await self._save_and_reload(groups, saved)
-                except BaseException:
-                    scrape.cancel()
-                    raise
-                await scrape
-        if self._scrape is not None:  # _serve_newest's, sent beside this step's update
+                if self._scrape is None:
+                    self._scrape = asyncio.ensure_future(self._scrape_metrics())
+                version, reload_s, probe, waited_s = await self._save_and_reload(groups, saved)
+        if self._scrape is not None:  # the step's /metrics scrape, sent beside its reload or a serve
             await self._scrape
             self._scrape = None
         if self._publish_s:  # the publish of the version before, made in this step (_serve_newest)
@@ -405,8 +404,9 @@ class GRPORun:
         return self.history
 
     async def rollouts(self, seeds, schedule: str | None = None, flush_cache: bool = True) -> list:
-        """One group per env seed from the server under the current adapter, outside training:
-        nothing is trained on them and the history is not touched. `schedule` defaults to the
+        """One group per env seed from the server under the trainer's newest adapter (served first
+        if a step of `run()` left it), outside training: nothing is trained on them and the history
+        is not touched. `schedule` defaults to the
         run's; with `flush_cache` the prefix cache is emptied first, so what is cached was cached
         by this batch (e.g. to compare schedules, bench.compare_schedules)."""
         if self.trainer is None:
@@ -418,8 +418,8 @@ class GRPORun:
 
     async def evaluate(self, split: str = "eval", n: int | None = None, k: int = 1, greedy: bool = True,
                        return_samples: bool = False):
-        """Mean reward and pass@k of the served adapter on held-out prompts (evaluate.py); nothing
-        is trained or published. A dict, with return_samples a (dict, samples DataFrame) pair."""
+        """Mean reward and pass@k of the trainer's newest adapter (served first if a step of `run()`
+        left it) on held-out prompts (evaluate.py); nothing is trained. A dict, with return_samples a (dict, samples DataFrame) pair."""
         cfg = self.cfg
         await self._serve_newest()
         result = await evaluate(self.client, self.task, self.trainer.tokenizer, self.adapter, split=split, n=n, k=k,
@@ -432,7 +432,8 @@ class GRPORun:
         return read_samples(self.run_dir, step, k)
 
     def export(self, path, merge: bool = False) -> Path:
-        """The served adapter as a PEFT adapter folder, or (merge=True) a merged model folder (export.py)."""
+        """The trainer's newest adapter (the served one, or one a step of `run()` left to serve) as a
+        PEFT adapter folder, or (merge=True) a merged model folder (export.py)."""
         # the trainer's newest version (a failed run() may have left it unserved); before the first step: the initial
         served = self._unpublished or self.publisher.current or self._initial
         load = {"load_from": self.trainer.cfg.model_path} if merge else {}  # the local build, never the hub id
@@ -574,15 +575,16 @@ class GRPORun:
         then count the load too. A load that fails is logged, and the reload makes it (under
         `with_restarts`) once the rollouts are in."""
         version, save_s = saved
-        t0 = time.perf_counter()
+        t0 = None
         try:
             # after the serve of the version before, if it is still under way (its stage would be dropped)
             async with self._adapter_lock or contextlib.nullcontext():
+                t0 = time.perf_counter()
                 return version, save_s + await self.publisher.stage(version)
         except Exception as e:  # noqa: BLE001 — the reload loads it: its errors are raised there
             log.warning("loading %s beside the rollouts ahead failed (%s: %s); it is loaded after them",
                         version.name, type(e).__name__, e)
-            return version, save_s + time.perf_counter() - t0  # the failed load was reload work too
+            return version, save_s + (time.perf_counter() - t0 if t0 is not None else 0.0)  # reload work too
 
     async def _save_and_reload(self, groups, saved: tuple[AdapterVersion, float] | None = None):
         """Save the update's adapter (unless `saved` already: (version, seconds)), load it into the

@@ -378,19 +378,20 @@ def task_spec(task: "str | Task") -> tuple[str, str | None]:
     which task it was, but no other process can load it by that spec."""
     if isinstance(task, str):
         return task, None
-    main, packaged = sys.modules.get("__main__"), any(t is task for t in _BUILTIN)
+    main, packaged, holder = sys.modules.get("__main__"), any(t is task for t in _BUILTIN), None
     for mod_name, mod in list(sys.modules.items()):
         # __main__ under any alias (multiprocessing's "__mp_main__") cannot be imported by name
         if mod is None or mod is main or mod_name in ("__main__", "__mp_main__"):
             continue
         for attr, value in list((getattr(mod, "__dict__", None) or {}).items()):
             if value is task and not attr.startswith("_"):
-                if not mod_name.startswith("artsg_nb"):
-                    return f"{mod_name}:{attr}", None
-                packaged = True  # recorded by its registered name, which every process has
-    if packaged and _TASKS.get(task.name) is task:
+                if mod_name == "artsg_nb" or mod_name.startswith("artsg_nb."):
+                    packaged = True
+                elif holder is None:
+                    holder = f"{mod_name}:{attr}"
+    if packaged and _TASKS.get(task.name) is task:  # by name, whatever user module binds it too
         return task.name, None
-    return task.name, NOT_IMPORTABLE
+    return (holder, None) if holder else (task.name, NOT_IMPORTABLE)
 
 
 def play(env: Env, policy: Callable[[Messages], str], max_turns: int) -> tuple[Messages, float]:

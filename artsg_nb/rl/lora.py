@@ -220,11 +220,11 @@ class AdapterPublisher:
 
     async def publish(self, version: AdapterVersion) -> float:
         """Load `version` into the server (unless `stage` did), then unload older versions;
-        seconds taken."""
+        seconds taken. The load goes through `stage`, so a publish cut short during it leaves
+        the version marked for unloading before the next load (a name cannot be loaded twice)."""
         t0 = time.perf_counter()
         if not (self.staged is version and self.staged_loaded):
-            await self._drop_staged()
-            await self._load(version, self.client)
+            await self.stage(version)
         self.staged, self.staged_loaded = None, False
         self.served.append(version)
         while len(self.served) > self.keep:

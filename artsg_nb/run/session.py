@@ -326,8 +326,7 @@ class GRPORun:
             metrics, train_s, memory_s, (version, reload_s, probe, waited_s) = self._skip_update(n_constant)
             if not leave_unpublished:  # no update to overlap with: the version before is served now
                 await self._serve_newest()
-            if self._scrape is None:  # unless _serve_newest sent this step's
-                await self._scrape_metrics()
+            self._scrape_once()
         else:
             metrics, train_s, memory_s, saved = await train(groups, step)
             if leave_unpublished and saved is not None:  # served by the next step, beside its update
@@ -335,13 +334,10 @@ class GRPORun:
                          saved[0].name)
                 (version, reload_s), probe, waited_s = saved, {}, 0.0
                 self._unpublished = version
-                if self._scrape is None:  # the step's one /metrics scrape (none went beside a serve)
-                    self._scrape = asyncio.ensure_future(self._scrape_metrics())
+                self._scrape_once()
             else:
                 log.info("step %d: update in %.2f s; save and reload", step, train_s)
-                # sent while the reload waits on the server, unless _serve_newest sent this step's
-                if self._scrape is None:
-                    self._scrape = asyncio.ensure_future(self._scrape_metrics())
+                self._scrape_once()  # sent while the reload waits on the server
                 version, reload_s, probe, waited_s = await self._save_and_reload(groups, saved)
         if self._scrape is not None:  # the step's /metrics scrape, sent beside its reload or a serve
             await self._scrape
@@ -631,21 +627,18 @@ class GRPORun:
         t0 = time.perf_counter()
         async with self._adapter_lock or contextlib.nullcontext():
             if self._unpublished is version:  # not served meanwhile (a stage waited for this serve)
-                await self.supervisor.with_restarts(self._serve, version)
+                # a publish interrupted during its unload already serves it (supervisor.publish
+                # goes on); the older version then stays loaded until a restart: a slot, never a request
+                await self.supervisor.with_restarts(self.supervisor.publish, version)
                 self._unpublished = None
         self._publish_s += time.perf_counter() - t0
-        if scrape and self._scrape is None:
-            self._scrape = asyncio.ensure_future(self._scrape_metrics())
+        if scrape:
+            self._scrape_once()
 
-    async def _serve(self, version: AdapterVersion) -> None:
-        """Load `version` (unless a stage or an interrupted publish already did) and serve it; loaded
-        through `stage`, so a load cut short is unloaded before the next (lora.AdapterPublisher)."""
-        publisher = self.publisher
-        # current: a publish interrupted during its unload already serves it (the older version may
-        # then stay loaded on the server until a restart: it holds a slot, never a request)
-        if publisher.current is not version and not (publisher.staged is version and publisher.staged_loaded):
-            await publisher.stage(version)
-        await self.supervisor.publish(version)
+    def _scrape_once(self) -> None:
+        """The step's one /metrics scrape, sent now unless sent already; awaited before its row."""
+        if self._scrape is None:
+            self._scrape = asyncio.ensure_future(self._scrape_metrics())
 
     def _verify_due(self, step: int) -> bool:
         """Whether this reload's served adapter is checked (RunConfig.verify_every): the first

@@ -330,8 +330,8 @@ class GRPORun:
         else:
             metrics, train_s, memory_s, saved = await train(groups, step)
             if leave_unpublished and saved is not None:  # served by the next step, beside its update
-                log.info("step %d: update in %.2f s; %s saved, served from the next step", step, train_s,
-                         saved[0].name)
+                log.info("step %d: update in %.2f s; %s saved in %.3f s, served from the next step", step, train_s,
+                         saved[0].name, saved[1])
                 (version, reload_s), probe, waited_s = saved, {}, 0.0
                 self._unpublished = version
                 self._scrape_once()
@@ -544,7 +544,12 @@ class GRPORun:
         rollouts still run; None (the save then comes after them, in `_save_and_reload`) while the
         served version's checkpoint is only in memory (its write failed for want of disk): a
         cancelled step rolls back to that version, and the next checkpoint would let it go."""
+        t0 = time.perf_counter()
         self.trainer.wait_for_checkpoint()
+        waited = time.perf_counter() - t0
+        if waited > 0.005:  # the checkpoint writer is behind the steps: its disk, not the save, costs this
+            log.info("step %d: waited %.3f s for the previous checkpoint's write before saving", self.trainer.step,
+                     waited)
         if self.trainer.checkpoints.failed is not None:
             return None
         return self._save_new_version()

@@ -9,7 +9,8 @@
 # What it does not: install anything (`make venv` does), or keep the temporary HOME (it is
 # removed on exit; KEEP_TEST_HOME=1 keeps it and says where it is).
 #
-#   tools/run_tests.sh faults main      # what `make test` runs; `make test-faults` runs one
+#   tools/run_tests.sh faults+notebooks main   # what `make test` runs: two lanes side by side
+#   tools/run_tests.sh faults                  # `make test-faults` (also test-notebooks, test-main)
 set -uo pipefail
 
 PY=${PY:-.venv/bin/python}
@@ -19,10 +20,12 @@ PYTEST=("$PY" -m pytest -p no:cacheprovider -q)
 suite_command() {
     case $1 in
         faults) echo "${PYTEST[*]} -m faults --durations=10" ;;
-        # the quickstart is executed (unchanged, its defaults) and checked by tests/test_notebooks.py
-        main) echo "${PYTEST[*]} -m 'not faults' --nbmake notebooks --nbmake-timeout=$NB_TIMEOUT" \
-                   "--deselect notebooks/01_quickstart.ipynb::01_quickstart.ipynb --durations=15 tests" ;;
-        *) echo "unknown suite '$1' (known: faults, main)" >&2; return 2 ;;
+        # the notebooks, executed by nbmake; the quickstart is executed (unchanged, its defaults) and
+        # checked by tests/test_notebooks.py, in main
+        notebooks) echo "${PYTEST[*]} --nbmake --nbmake-timeout=$NB_TIMEOUT" \
+                        "--deselect notebooks/01_quickstart.ipynb::01_quickstart.ipynb --durations=5 notebooks" ;;
+        main) echo "${PYTEST[*]} -m 'not faults' --durations=15 tests" ;;
+        *) echo "unknown suite '$1' (known: faults, notebooks, main)" >&2; return 2 ;;
     esac
 }
 
@@ -45,38 +48,62 @@ closing_lines() {
     grep -E "^(FAILED|ERROR) |^faults: [0-9]+ injected|$closing" "$1" | tail -n 40
 }
 
-for name in "$@"; do suite_command "$name" >/dev/null || exit 2; done
+# Each argument is a lane: one suite, or suites joined by "+", run one after the other.
+lanes=("$@")
+suites=()
+for lane in "${lanes[@]}"; do IFS=+ read -ra names <<<"$lane"; suites+=("${names[@]}"); done
+for name in "${suites[@]}"; do suite_command "$name" >/dev/null || exit 2; done
 fresh_home
-declare -A rc pid
-# SUITES_SIDE_BY_SIDE=1 (make test's default): every suite but the last runs in the background,
+declare -A rc
+# SUITES_SIDE_BY_SIDE=1 (make test's default): every lane but the last runs in the background,
 # its output shown when it ends; each suite keeps about one of CI's two cores busy (measured:
-# user+sys 103 s of 109 s wall for 13 fault tests), so side by side they take the longer one's time.
+# user+sys 103 s of 109 s wall for 13 fault tests), so side by side the lanes take the longest
+# one's time: `make test` runs faults+notebooks (~5.5 + ~4 min) beside main (~10 min).
 # The faults suite's server records are private per module (tests/faults/conftest.py), so one
 # suite's orphan reaping never touches the other's servers.
-last=${!#}
-for name in "$@"; do
-    cmd=$(suite_command "$name")
-    echo "==== suite $name: $cmd"
-    if [[ ${SUITES_SIDE_BY_SIDE:-0} == 1 && $name != "$last" ]]; then
-        echo "     (in the background; its output follows when it ends)"
-        eval "$cmd" >"$home/$name.log" 2>&1 &
-        pid[$name]=$!
+run_suite() {  # runs suite $1, its output into $home/$1.log (and on the terminal with $2 = tee); its exit status
+    local cmd
+    cmd=$(suite_command "$1")
+    echo "==== suite $1: $cmd"
+    if [[ ${2:-} == tee ]]; then
+        eval "$cmd" 2>&1 | tee "$home/$1.log"
+        return "${PIPESTATUS[0]}"
+    fi
+    eval "$cmd" >"$home/$1.log" 2>&1
+}
+run_lane() {  # the suites of lane $1 in order; each one's exit status into $home/<suite>.rc
+    local name names
+    IFS=+ read -ra names <<<"$1"
+    for name in "${names[@]}"; do
+        run_suite "$name" "${2:-}"
+        echo $? >"$home/$name.rc"
+    done
+}
+last=${lanes[-1]}
+bg=()
+for lane in "${lanes[@]}"; do
+    if [[ ${SUITES_SIDE_BY_SIDE:-0} == 1 && $lane != "$last" ]]; then
+        echo "==== lane $lane: in the background; its output follows when it ends"
+        run_lane "$lane" >"$home/lane.$lane.out" 2>&1 &
+        bg+=("$!:$lane")
         continue
     fi
-    eval "$cmd" 2>&1 | tee "$home/$name.log"
-    rc[$name]=${PIPESTATUS[0]}
+    run_lane "$lane" tee
 done
-for name in "${!pid[@]}"; do
-    wait "${pid[$name]}"
-    rc[$name]=$?
-    echo "==== suite $name (ran in the background): its output"
-    cat "$home/$name.log"
+for entry in "${bg[@]}"; do
+    wait "${entry%%:*}"
+    lane=${entry#*:}
+    echo "==== lane $lane (ran in the background): its output"
+    cat "$home/lane.$lane.out"
+    IFS=+ read -ra names <<<"$lane"
+    for name in "${names[@]}"; do cat "$home/$name.log" 2>/dev/null; done
 done
+for name in "${suites[@]}"; do rc[$name]=$(cat "$home/$name.rc" 2>/dev/null || echo 1); done
 
 echo
 echo "==== every suite's summary (HOME and caches were an empty $home)"
 failed=()
-for name in "$@"; do
+for name in "${suites[@]}"; do
     echo "-- suite $name: exit ${rc[$name]}"
     closing_lines "$home/$name.log" || echo "(no pytest summary line: it stopped early; see the output above)"
     [[ ${rc[$name]} == 0 ]] || failed+=("$name")

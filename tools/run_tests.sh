@@ -16,15 +16,17 @@ set -uo pipefail
 PY=${PY:-.venv/bin/python}
 NB_TIMEOUT=${NB_TIMEOUT:-900}
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q)
+NOTEBOOK_TESTS=(tests/test_notebooks.py tests/test_browser.py)  # the notebooks suite's, not main's
 
 suite_command() {
     case $1 in
         faults) echo "${PYTEST[*]} -m faults --durations=10" ;;
-        # the notebooks, executed by nbmake; the quickstart is executed (unchanged, its defaults) and
-        # checked by tests/test_notebooks.py, in main
-        notebooks) echo "${PYTEST[*]} --nbmake --nbmake-timeout=$NB_TIMEOUT" \
-                        "--deselect notebooks/01_quickstart.ipynb::01_quickstart.ipynb --durations=5 notebooks" ;;
-        main) echo "${PYTEST[*]} -m 'not faults' --durations=15 tests" ;;
+        # everything that executes a notebook: the notebooks by nbmake, but the quickstart, which
+        # tests/test_notebooks.py executes (unchanged, its defaults) and checks, and the browser test
+        notebooks) echo "${PYTEST[*]} -m 'not faults' --nbmake --nbmake-timeout=$NB_TIMEOUT" \
+                        "--deselect notebooks/01_quickstart.ipynb::01_quickstart.ipynb --durations=8 notebooks" \
+                        "${NOTEBOOK_TESTS[*]}" ;;
+        main) echo "${PYTEST[*]} -m 'not faults' --durations=15 tests ${NOTEBOOK_TESTS[*]/#/--ignore=}" ;;
         *) echo "unknown suite '$1' (known: faults, notebooks, main)" >&2; return 2 ;;
     esac
 }
@@ -58,7 +60,7 @@ declare -A rc
 # SUITES_SIDE_BY_SIDE=1 (make test's default): every lane but the last runs in the background,
 # its output shown when it ends; each suite keeps about one of CI's two cores busy (measured:
 # user+sys 103 s of 109 s wall for 13 fault tests), so side by side the lanes take the longest
-# one's time: `make test` runs faults+notebooks (~5.5 + ~4 min) beside main (~10 min).
+# one's time: `make test` runs faults then notebooks (~6 + ~4.5 min) beside main (~11.5 min).
 # The faults suite's server records are private per module (tests/faults/conftest.py), so one
 # suite's orphan reaping never touches the other's servers.
 run_suite() {  # runs suite $1, its output into $home/$1.log (and on the terminal with $2 = tee); its exit status

@@ -315,6 +315,37 @@ def test_concurrency_bounds_requests_in_flight(chatml_tokenizer):
     assert len(client.calls) == 12 and client.peak_in_flight == 3
 
 
+@pytest.mark.parametrize("turns", [1, 2, 3])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_rollout_cancelled_before_its_members_start_leaves_no_request_or_coroutine(chatml_tokenizer, schedule,
+                                                                                      turns):
+    # stop() during a step cancels its rollouts, possibly in the loop turn where the groups were
+    # just submitted: an n-sample request left running, or a member's first turn never awaited
+    # ("coroutine '_pick' was never awaited" in CI), is work and a warning outliving the step
+    import gc
+    import warnings
+
+    client = FakeClient(chatml_tokenizer, ["4"], delay_s=0.05)
+
+    async def go():
+        collect = asyncio.ensure_future(collect_groups(client, ScriptedTask(), chatml_tokenizer, [0, 1], 4,
+                                                       FakeParams(), schedule=schedule))
+        for _ in range(turns):  # 2: the groups are submitted, their members not started yet
+            await asyncio.sleep(0)
+        collect.cancel()
+        await asyncio.wait([collect])
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        left = run(go())
+        gc.collect()
+    assert left == []  # asyncio.run would cancel them at its end; inside a step they would run on
+    assert client.in_flight == 0
+    assert not [str(w.message) for w in caught if "never awaited" in str(w.message)]
+
+
 # ------------------------------------------------------------------------------ CPU engine
 
 @pytest.fixture(scope="module")

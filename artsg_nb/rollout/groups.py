@@ -47,7 +47,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass, replace
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
 from tqdm.auto import tqdm
 
@@ -211,7 +211,12 @@ async def _follow(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, se
     return await _generate(ctx, ids, max_new, n=n, seed=seed)
 
 
-async def _pick(shared: Awaitable, i: int) -> Any:
+async def _follow_one(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, seed: int | None) -> Any:
+    [gen] = await _follow(ctx, ids, max_new, release, seed)
+    return gen
+
+
+async def _pick(shared: asyncio.Future, i: int) -> Any:
     return (await shared)[i]
 
 
@@ -221,20 +226,34 @@ async def _single(ctx: _Ctx, ids: list[int], max_new: int, seed: int | None) -> 
 
 
 def _first_turns(ctx: _Ctx, schedule: str, ids: list[int], max_new: int, size: int,
-                 release: _Release | None, group_seed: int) -> list[Awaitable]:
-    """One awaitable first Generation per group member, submitted in `schedule`'s order."""
+                 release: _Release | None, group_seed: int) -> tuple[list[Coroutine], list[asyncio.Future]]:
+    """(one coroutine of its first Generation per group member, submitted in `schedule`'s order;
+    the requests they share, already submitted: an n-sample request's task)."""
     seeds = [ctx.seed(group_seed, 0, i) for i in range(size)]  # member i's, whatever the schedule
     if schedule == "naive" or size == 1:
-        return [_single(ctx, ids, max_new, seeds[i]) for i in range(size)]
+        return [_single(ctx, ids, max_new, seeds[i]) for i in range(size)], []
     if schedule == "n":
         shared = asyncio.ensure_future(_generate(ctx, ids, max_new, n=size, seed=seeds[0]))
-        return [_pick(shared, i) for i in range(size)]
+        return [_pick(shared, i) for i in range(size)], [shared]
     release = release or _Release(1)  # "prefix"/"prefix_n": this group's leader only
     leader = _lead(ctx, ids, max_new, release, seeds[0])
     if schedule == "prefix_n":
         shared = asyncio.ensure_future(_follow(ctx, ids, max_new, release, seeds[1], n=size - 1))
-        return [leader] + [_pick(shared, i) for i in range(size - 1)]
-    return [leader] + [_pick(_follow(ctx, ids, max_new, release, seeds[i]), 0) for i in range(1, size)]
+        return [leader] + [_pick(shared, i) for i in range(size - 1)], [shared]
+    return [leader] + [_follow_one(ctx, ids, max_new, release, seeds[i]) for i in range(1, size)], []
+
+
+def _drop_unstarted(firsts: list[Coroutine], shared: list[asyncio.Future]) -> None:
+    """What a group cancelled before its members started leaves: their first turns, never
+    awaited (closed: no "never awaited" warning), and a shared request nobody awaits any more
+    (cancelled: it would run on past the step). A no-op for what ran to its end."""
+    states = [inspect.getcoroutinestate(first) for first in firsts]
+    for first, state in zip(firsts, states):
+        if state == inspect.CORO_CREATED:
+            first.close()
+    if all(state in (inspect.CORO_CREATED, inspect.CORO_CLOSED) for state in states):  # none awaits it now
+        for task in shared:
+            task.cancel()
 
 
 async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
@@ -262,14 +281,17 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
             t.error = (f"RolloutError: the prompt has {len(t.token_ids)} tokens, no room under "
                        f"max_seq_tokens={ctx.max_seq_tokens}")
         return TrajectoryGroup(seed, trajs)
-    firsts = _first_turns(ctx, schedule, prompts[0], max_new, size, release, seed)
+    firsts, shared = _first_turns(ctx, schedule, prompts[0], max_new, size, release, seed)
 
     async def play(env, traj, first, index):
         out = await _play(ctx, env, traj, first, max_new, index)
         done()
         return out
 
-    trajs = list(await asyncio.gather(*map(play, envs, trajs, firsts, range(size))))
+    try:
+        trajs = list(await asyncio.gather(*map(play, envs, trajs, firsts, range(size))))
+    finally:  # every member has ended here, a cancelled one too (gather waits for them)
+        _drop_unstarted(firsts, shared)
     if ctx.group_scored:
         await _score_group(task, envs, trajs)
     return TrajectoryGroup(seed, trajs)

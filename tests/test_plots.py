@@ -396,3 +396,17 @@ def test_plot_step_benchmark_draws_the_mean_of_a_leg_measured_twice():
     assert "artsg_nb (cpu)\n2.00 s" in texts and "trl\n34.00 s" in texts, texts
     tops = {round(p.get_y() + p.get_height(), 3) for p in ax.patches}
     assert 1.45 in tops  # artsg_nb at 8 tokens: rollout (0.5 + 1.5) / 2 + train 0.3 + reload 0.15
+
+
+def test_plot_step_benchmark_keeps_the_rows_of_two_machines_apart():
+    """Rows of two machines in one frame (two files concatenated) are two bars per framework, the
+    hardware in their labels; before, a leg's rows of both were drawn at their mean, a figure no
+    machine measured."""
+    plt.close("all")
+    cpu, gpu = step_df(), step_df().assign(hardware="NVIDIA H100 80GB HBM3 x1")
+    gpu[["step_s_median", "rollout_s_median"]] = gpu[["step_s_median", "rollout_s_median"]] / 10
+    ax = plots.plot_step_benchmark(pd.concat([cpu, gpu], ignore_index=True)).axes[0]
+    assert len(ax.patches) == 4 * 2 * 3  # 2 frameworks x 2 machines, 2 jobs, 3 phases
+    texts = [t.get_text() for t in ax.texts]
+    assert "artsg_nb (cpu) · cpu x2\n1.00 s" in texts, texts
+    assert "artsg_nb (cpu) · NVIDIA H100 80GB HBM3 x1\n0.10 s" in texts, texts

@@ -1,7 +1,8 @@
 """The step benchmark's chart: where each framework's GRPO step time goes.
 
 `plot_step_benchmark(df)` draws the frame bench.step writes (one row per framework x job, and per
-pipeline setting for artsg_nb; a leg with several rows at their mean) as stacked bars: rollout, train and reload medians per framework,
+pipeline setting for artsg_nb; a leg with several rows of one machine at their mean, each machine's
+apart) as stacked bars: rollout, train and reload medians per framework,
 one group of bars per job (max_new_tokens; and per `job` shape when a frame holds several, named
 under the tick), with the median step time written over each bar (a
 step also spends time outside the three phases: scheduling, metrics, Python). A pipelined artsg_nb
@@ -32,10 +33,14 @@ def _pipelined(df: pd.DataFrame) -> np.ndarray:
 
 
 def _labels(df: pd.DataFrame) -> pd.Series:
-    """"trl", "artsg_nb (sglang)", "artsg_nb (sglang, pipelined)"."""
+    """"trl", "artsg_nb (sglang)", "artsg_nb (sglang, pipelined)"; with " · <hardware>" after each
+    when the frame holds rows of several machines (their legs are never averaged together)."""
     pipelined = np.where(_pipelined(df), ", pipelined", "")
     detail = np.where(df["framework"] == "trl", "", " (" + df["engine"].astype(str) + pipelined + ")")
-    return df["framework"].astype(str) + detail
+    labels = df["framework"].astype(str) + detail
+    if "hardware" in df and df["hardware"].nunique(dropna=False) > 1:
+        labels = labels + " · " + df["hardware"].astype(str)
+    return labels
 
 
 def _groups(df: pd.DataFrame) -> pd.Series:

@@ -48,6 +48,7 @@ demo: venv
 test: venv browser-deps
 	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) SUITES_SIDE_BY_SIDE=1 tools/run_tests.sh faults+notebooks main
 
+test-notebooks: browser-deps  # its browser test skips without chromium
 test-faults test-notebooks test-main: test-%:
 	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) tools/run_tests.sh $*
 

@@ -3,6 +3,7 @@ update, so each step from the second trains on rollouts one adapter version old 
 with the same prompts as a synchronous run and truncated IS against the server's logprobs; it
 learns like the synchronous run; it refuses release_memory; stop() leaves no rollout running."""
 import asyncio
+import logging
 import errno
 import os
 import signal
@@ -317,7 +318,8 @@ def _record_loads(run):
     return loads
 
 
-def test_run_loads_a_version_beside_the_next_update_when_the_rollouts_ahead_ended_first(tiny_model_dir, tmp_path):
+def test_run_loads_a_version_beside_the_next_update_when_the_rollouts_ahead_ended_first(tiny_model_dir, tmp_path,
+                                                                                          caplog):
     """In run(), a pipelined step whose rollouts ahead end before its update leaves its version to
     the next step: its load goes beside that step's update instead of between the two updates.
     The first step's version is checked on the server (served in its step), the last one's served
@@ -326,7 +328,8 @@ def test_run_loads_a_version_beside_the_next_update_when_the_rollouts_ahead_ende
         updates = _slow_updates(run, 1.0)
         loads = _record_loads(run)
         served_after = []  # (served adapter, the trainer's version) as each row comes
-        asyncio.run(run.run(4, on_step=lambda row: served_after.append((run.adapter, run.weights_version))))
+        with caplog.at_level(logging.INFO, logger="artsg_nb.run.session"):
+            asyncio.run(run.run(4, on_step=lambda row: served_after.append((run.adapter, run.weights_version))))
         rows = run.history.df.to_dict("records")
         assert run.adapter == run.weights_version == "policy-step-4" and run._unpublished is None
         assert set(run.samples(4)["adapter"]) == {"policy-step-2"}
@@ -344,6 +347,10 @@ def test_run_loads_a_version_beside_the_next_update_when_the_rollouts_ahead_ende
     assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
     assert rows[0]["probe_mad"] is not None, "the first reload on a server is checked, so served in its step"
     assert all(r["reload_s"] > 0 for r in rows), rows
+    # the save's own seconds, for the GPU log: every version saved in its update's thread says so
+    saves = [m for m in caplog.messages if "in the update's thread" in m]
+    assert [m.split()[2] for m in saves] == [f"policy-step-{s}" for s in (1, 2, 3, 4)], saves
+    assert all(0 < float(m.split(" saved in ")[1].split()[0]) < 5 for m in saves), saves
 
 
 def test_a_version_run_left_unserved_is_served_before_anything_samples_or_exports(tiny_model_dir, tmp_path):

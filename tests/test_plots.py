@@ -410,3 +410,6 @@ def test_plot_step_benchmark_keeps_the_rows_of_two_machines_apart():
     texts = [t.get_text() for t in ax.texts]
     assert "artsg_nb (cpu) · cpu x2\n1.00 s" in texts, texts
     assert "artsg_nb (cpu) · NVIDIA H100 80GB HBM3 x1\n0.10 s" in texts, texts
+    older = step_df().assign(hardware=None)  # a file from before the hardware column
+    texts = [t.get_text() for t in plots.plot_step_benchmark(pd.concat([cpu, older], ignore_index=True)).axes[0].texts]
+    assert "artsg_nb (cpu) · hardware not recorded\n1.00 s" in texts, texts

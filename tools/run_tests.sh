@@ -47,6 +47,7 @@ fresh_home() {
 # pytest's closing line ("3 failed, 40 passed in 12.3s"), the faults line, the short summary's FAILED/ERROR lines
 closing_lines() {
     local closing='(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s'
+    [[ -f $1 ]] || return 1
     grep -E "^(FAILED|ERROR) |^faults: [0-9]+ injected|$closing" "$1" | tail -n 40
 }
 
@@ -54,6 +55,7 @@ closing_lines() {
 lanes=("$@")
 suites=()
 for lane in "${lanes[@]}"; do IFS=+ read -ra names <<<"$lane"; suites+=("${names[@]}"); done
+(( ${#lanes[@]} )) || { echo "usage: $0 LANE... (a lane: a suite, or suites joined by +; suites: faults, notebooks, main)" >&2; exit 2; }
 for name in "${suites[@]}"; do suite_command "$name" >/dev/null || exit 2; done
 fresh_home
 declare -A rc
@@ -63,22 +65,27 @@ declare -A rc
 # one's time: `make test` runs faults then notebooks (~6 + ~4.5 min) beside main (~11.5 min).
 # The faults suite's server records are private per module (tests/faults/conftest.py), so one
 # suite's orphan reaping never touches the other's servers.
-run_suite() {  # runs suite $1, its output into $home/$1.log (and on the terminal with $2 = tee); its exit status
-    local cmd
+run_suite() {  # suite $1, its header and output into $home/$1.log (on the terminal too with $2 = tee); its exit status
+    local cmd header
     cmd=$(suite_command "$1")
-    echo "==== suite $1: $cmd"
+    header="==== suite $1: $cmd"
     if [[ ${2:-} == tee ]]; then
-        eval "$cmd" 2>&1 | tee "$home/$1.log"
+        echo "$header"
+        eval "$cmd" 2>&1 | tee -i "$home/$1.log"  # -i: a Ctrl-C reaches pytest, which prints its summary
         return "${PIPESTATUS[0]}"
     fi
-    eval "$cmd" >"$home/$1.log" 2>&1
+    echo "$header" >"$home/$1.log"
+    eval "$cmd" >>"$home/$1.log" 2>&1
 }
-run_lane() {  # the suites of lane $1 in order; each one's exit status into $home/<suite>.rc
-    local name names
+run_lane() {  # the suites of lane $1 in order, each one's exit status into $home/<suite>.rc; an
+              # interrupted suite (pytest's 2: Ctrl-C; above 128: a signal) ends its lane
+    local name names status
     IFS=+ read -ra names <<<"$1"
     for name in "${names[@]}"; do
         run_suite "$name" "${2:-}"
-        echo $? >"$home/$name.rc"
+        status=$?
+        echo "$status" >"$home/$name.rc"
+        if (( status == 2 || status > 128 )); then return "$status"; fi
     done
 }
 last=${lanes[-1]}
@@ -98,9 +105,13 @@ for entry in "${bg[@]}"; do
     echo "==== lane $lane (ran in the background): its output"
     cat "$home/lane.$lane.out"
     IFS=+ read -ra names <<<"$lane"
-    for name in "${names[@]}"; do cat "$home/$name.log" 2>/dev/null; done
+    for name in "${names[@]}"; do
+        [[ -f $home/$name.log ]] && cat "$home/$name.log"
+    done
 done
-for name in "${suites[@]}"; do rc[$name]=$(cat "$home/$name.rc" 2>/dev/null || echo 1); done
+for name in "${suites[@]}"; do  # none: its lane ended before it (interrupted) or died
+    rc[$name]=$(cat "$home/$name.rc" 2>/dev/null || echo "none (not run to its end)")
+done
 
 echo
 echo "==== every suite's summary (HOME and caches were an empty $home)"

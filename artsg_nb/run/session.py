@@ -330,8 +330,7 @@ class GRPORun:
         else:
             metrics, train_s, memory_s, saved = await train(groups, step)
             if leave_unpublished and saved is not None:  # served by the next step, beside its update
-                log.info("step %d: update in %.2f s; %s saved in %.3f s, served from the next step", step, train_s,
-                         saved[0].name, saved[1])
+                log.info("step %d: update in %.2f s; %s served from the next step", step, train_s, saved[0].name)
                 (version, reload_s), probe, waited_s = saved, {}, 0.0
                 self._unpublished = version
                 self._scrape_once()
@@ -552,7 +551,9 @@ class GRPORun:
                      waited)
         if self.trainer.checkpoints.failed is not None:
             return None
-        return self._save_new_version()
+        version, seconds = self._save_new_version()
+        log.info("step %d: %s saved in %.3f s, in the update's thread", version.step, version.name, seconds)
+        return version, seconds
 
     def _save_new_version(self) -> tuple[AdapterVersion, float]:
         """(version, seconds): the update's adapter saved as a new version (`_save_served`). A save

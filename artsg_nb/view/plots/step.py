@@ -39,7 +39,7 @@ def _labels(df: pd.DataFrame) -> pd.Series:
     detail = np.where(df["framework"] == "trl", "", " (" + df["engine"].astype(str) + pipelined + ")")
     labels = df["framework"].astype(str) + detail
     if "hardware" in df and df["hardware"].nunique(dropna=False) > 1:
-        labels = labels + " · " + df["hardware"].astype(str)
+        labels = labels + " · " + df["hardware"].fillna("hardware not recorded").astype(str)
     return labels
 
 

@@ -58,8 +58,9 @@ class FakeClient:
     The log keeps (event, request index, time) so tests can check the submission order.
     """
 
-    def __init__(self, tokenizer, replies, eos=False, delay_s=0.01, fail_adapter=None):
+    def __init__(self, tokenizer, replies, eos=False, delay_s=0.01, fail_adapter=None, cleanup_s=0.0):
         self.tok, self.replies, self.eos, self.delay_s = tokenizer, replies, eos, delay_s
+        self.cleanup_s = cleanup_s  # a request's own cleanup once it ends (an HTTP connection closing)
         self.fail_adapter = fail_adapter
         self.calls, self.events = [], []
         self.in_flight = self.peak_in_flight = 0
@@ -82,6 +83,8 @@ class FakeClient:
             await asyncio.sleep(self.delay_s)
             return [self._gen(i, k, input_ids, params) for k in range(params.n)]
         finally:
+            if self.cleanup_s:
+                await asyncio.sleep(self.cleanup_s)
             self.in_flight -= 1
 
     def _gen(self, i, k, input_ids, params):
@@ -325,7 +328,7 @@ def test_a_rollout_cancelled_before_its_members_start_leaves_no_request_or_corou
     import gc
     import warnings
 
-    client = FakeClient(chatml_tokenizer, ["4"], delay_s=0.05)
+    client = FakeClient(chatml_tokenizer, ["4"], delay_s=0.05, cleanup_s=0.05)
 
     async def go():
         collect = asyncio.ensure_future(collect_groups(client, ScriptedTask(), chatml_tokenizer, [0, 1], 4,
@@ -334,7 +337,6 @@ def test_a_rollout_cancelled_before_its_members_start_leaves_no_request_or_corou
             await asyncio.sleep(0)
         collect.cancel()
         await asyncio.wait([collect])
-        await asyncio.sleep(0)
         return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     with warnings.catch_warnings(record=True) as caught:
@@ -342,7 +344,7 @@ def test_a_rollout_cancelled_before_its_members_start_leaves_no_request_or_corou
         left = run(go())
         gc.collect()
     assert left == []  # asyncio.run would cancel them at its end; inside a step they would run on
-    assert client.in_flight == 0
+    assert client.in_flight == 0  # and every request had ended, its cleanup too, when the rollout returned
     assert not [str(w.message) for w in caught if "never awaited" in str(w.message)]
 
 

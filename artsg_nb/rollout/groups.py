@@ -243,17 +243,21 @@ def _first_turns(ctx: _Ctx, schedule: str, ids: list[int], max_new: int, size: i
     return [leader] + [_follow_one(ctx, ids, max_new, release, seeds[i]) for i in range(1, size)], []
 
 
-def _drop_unstarted(firsts: list[Coroutine], shared: list[asyncio.Future]) -> None:
+def _drop_unstarted(firsts: list[Coroutine], shared: list[asyncio.Future]) -> list[asyncio.Future]:
     """What a group cancelled before its members started leaves: their first turns, never
     awaited (closed: no "never awaited" warning), and a shared request nobody awaits any more
-    (cancelled: it would run on past the step). A no-op for what ran to its end."""
+    (cancelled, and returned to be waited for: it would run on past the step). A no-op for what
+    ran to its end."""
     states = [inspect.getcoroutinestate(first) for first in firsts]
     for first, state in zip(firsts, states):
         if state == inspect.CORO_CREATED:
             first.close()
-    if all(state in (inspect.CORO_CREATED, inspect.CORO_CLOSED) for state in states):  # none awaits it now
-        for task in shared:
-            task.cancel()
+    if not all(state in (inspect.CORO_CREATED, inspect.CORO_CLOSED) for state in states):
+        return []  # a member still awaits it (a failed group, not a cancelled one)
+    dropped = [task for task in shared if not task.done()]
+    for task in dropped:
+        task.cancel()
+    return dropped
 
 
 async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
@@ -289,12 +293,30 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
         return out
 
     try:
-        trajs = list(await asyncio.gather(*map(play, envs, trajs, firsts, range(size))))
-    finally:  # every member has ended here, a cancelled one too (gather waits for them)
-        _drop_unstarted(firsts, shared)
+        trajs = await _gather_all(list(map(play, envs, trajs, firsts, range(size))))
+    finally:  # every member has ended here, a cancelled one too
+        dropped = _drop_unstarted(firsts, shared)
+        if dropped:  # the request's own cleanup (its connection) is done before the group is
+            await asyncio.wait(dropped)
     if ctx.group_scored:
         await _score_group(task, envs, trajs)
     return TrajectoryGroup(seed, trajs)
+
+
+async def _gather_all(coros: list[Coroutine]) -> list:
+    """asyncio.gather's results, but once one is cancelled (or fails) the others are cancelled and
+    waited for before this returns or raises: gather alone raises at the first cancelled one,
+    leaving the others' requests closing after the rollout has ended."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for task in pending:
+            if not task.cancelling():  # a second cancel would cut its cleanup short
+                task.cancel()
+        if pending:
+            await asyncio.wait(pending)
 
 
 async def _maybe_await(value):
@@ -362,9 +384,8 @@ async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_si
                group_scored=getattr(task, "group_reward", None) is not None)
     release = _Release(len(seeds)) if schedule == "prefix_sync" and group_size > 1 else None
     with tqdm(total=len(seeds) * group_size, desc="rollouts", disable=not progress) as bar:
-        groups = await asyncio.gather(*(
-            _group(ctx, task, seed, group_size, schedule, release, lambda: bar.update(1))
-            for seed in seeds))
+        groups = await _gather_all([_group(ctx, task, seed, group_size, schedule, release, lambda: bar.update(1))
+                                    for seed in seeds])
     _log_summary(list(groups), ctx)
     return list(groups)
 

@@ -450,3 +450,30 @@ def test_every_step_of_run_takes_one_metrics_scrape(tiny_model_dir, tmp_path):
         per_row = []
         asyncio.run(run.run(4, on_step=lambda row: per_row.append(len(scrapes))))
     assert [b - a for a, b in zip(per_row, per_row[1:])] == [1, 1, 1], (per_row, scrapes)
+
+
+def test_rollouts_ahead_cancelled_by_stop_then_by_their_step_keep_their_cleanup(tmp_path):
+    """stop() cancels the rollouts sampled ahead (`cancel_now`), then the step they belong to
+    cancels them again on its way out (`_cancel_ahead`): the second must wait for them, not cut
+    their requests' cleanup short (before: it cancelled again, and the cleanup was interrupted)."""
+    from artsg_nb.run.pipeline import SampleAhead
+
+    cleaned = []
+
+    async def rollout_with_cleanup():
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await asyncio.sleep(0.05)  # a request closing its connection
+            cleaned.append(True)
+
+    async def go():
+        sampler = SampleAhead(True, trainer=None, run_dir=tmp_path, supervisor=None, rollouts=None)
+        sampler.ahead_task = asyncio.ensure_future(rollout_with_cleanup())
+        await asyncio.sleep(0)
+        sampler.cancel_now()  # stop()
+        await asyncio.sleep(0)  # the rollouts start their cleanup
+        await sampler._cancel_ahead()  # the step's except path, a loop turn later
+
+    asyncio.run(go())
+    assert cleaned == [True]

@@ -306,7 +306,8 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
 async def _gather_all(coros: list[Coroutine]) -> list:
     """asyncio.gather's results, but once one is cancelled (or fails) the others are cancelled and
     waited for before this returns or raises: gather alone raises at the first cancelled one,
-    leaving the others' requests closing after the rollout has ended."""
+    leaving the others' requests closing after the rollout has ended. A second cancel of the
+    caller while it waits means "stop waiting": their cleanup is then cut short."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))

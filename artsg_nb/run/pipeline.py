@@ -182,10 +182,13 @@ class SampleAhead:
         log.warning("step %d cancelled during its update; trainer rolled back to step %d", step + 1, step)
 
     async def _cancel_ahead(self) -> None:
-        """Cancel the rollouts being sampled ahead and wait until they have stopped."""
+        """Cancel the rollouts being sampled ahead and wait until they have stopped (their requests'
+        cleanup included). Not cancelled twice: stop()'s `cancel_now` may have cancelled them already,
+        and a second cancel would cut that cleanup short."""
         task, self.ahead = self.ahead_task, None
         if task is not None and not task.done():
-            task.cancel()
+            if not task.cancelling():
+                task.cancel()
             await asyncio.wait([task])
 
     def cancel_now(self) -> None:

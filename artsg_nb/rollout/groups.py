@@ -243,21 +243,12 @@ def _first_turns(ctx: _Ctx, schedule: str, ids: list[int], max_new: int, size: i
     return [leader] + [_follow_one(ctx, ids, max_new, release, seeds[i]) for i in range(1, size)], []
 
 
-def _drop_unstarted(firsts: list[Coroutine], shared: list[asyncio.Future]) -> list[asyncio.Future]:
-    """What a group cancelled before its members started leaves: their first turns, never
-    awaited (closed: no "never awaited" warning), and a shared request nobody awaits any more
-    (cancelled, and returned to be waited for: it would run on past the step). A no-op for what
-    ran to its end."""
-    states = [inspect.getcoroutinestate(first) for first in firsts]
-    for first, state in zip(firsts, states):
-        if state == inspect.CORO_CREATED:
+def _close_unstarted(firsts: list[Coroutine]) -> None:
+    """Close the first turns of members cancelled before they started (never awaited: closed, no
+    "never awaited" warning); a no-op for those that ran."""
+    for first in firsts:
+        if inspect.getcoroutinestate(first) == inspect.CORO_CREATED:
             first.close()
-    if not all(state in (inspect.CORO_CREATED, inspect.CORO_CLOSED) for state in states):
-        return []  # a member still awaits it (a failed group, not a cancelled one)
-    dropped = [task for task in shared if not task.done()]
-    for task in dropped:
-        task.cancel()
-    return dropped
 
 
 async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
@@ -292,27 +283,26 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
         done()
         return out
 
-    try:
-        trajs = await _gather_all(list(map(play, envs, trajs, firsts, range(size))))
-    finally:  # every member has ended here, a cancelled one too
-        dropped = _drop_unstarted(firsts, shared)
-        if dropped:  # the request's own cleanup (its connection) is done before the group is
-            await asyncio.wait(dropped)
+    try:  # a shared request nobody awaits any more (no member started) is cancelled with them
+        trajs = await _gather_all(list(map(play, envs, trajs, firsts, range(size))), also=shared)
+    finally:  # every member and shared request has ended here, a cancelled one too
+        _close_unstarted(firsts)
     if ctx.group_scored:
         await _score_group(task, envs, trajs)
     return TrajectoryGroup(seed, trajs)
 
 
-async def _gather_all(coros: list[Coroutine]) -> list:
-    """asyncio.gather's results, but once one is cancelled (or fails) the others are cancelled and
-    waited for before this returns or raises: gather alone raises at the first cancelled one,
-    leaving the others' requests closing after the rollout has ended. A second cancel of the
-    caller while it waits means "stop waiting": their cleanup is then cut short."""
+async def _gather_all(coros: list[Coroutine], also: Sequence[asyncio.Future] = ()) -> list:
+    """asyncio.gather's results, but once one is cancelled (or fails) the others, and the tasks
+    `also` (requests they share), are cancelled and waited for before this returns or raises:
+    gather alone raises at the first cancelled one, leaving the others' requests closing after the
+    rollout has ended. A second cancel of the caller while it waits means "stop waiting": their
+    cleanup is then cut short."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        pending = [t for t in tasks if not t.done()]
+        pending = [t for t in (*tasks, *also) if not t.done()]
         for task in pending:
             if not task.cancelling():  # a second cancel would cut its cleanup short
                 task.cancel()

@@ -197,14 +197,14 @@ def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still
     tr.train_step(_groups())
     tr.save_adapter(tmp_path)
     weights, optimizer = _lora(tr), _optimizer_tensors(tr)
-    real_save = checkpoint_module.save_file
+    real_save = checkpoint_module.save_tensors
 
     def disk_full(tensors, filename, metadata=None):
         with open(filename, "wb") as f:
             f.write(b"\0" * 64)  # half written
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_module, "save_file", disk_full)
+    monkeypatch.setattr(checkpoint_module, "save_tensors", disk_full)
     with caplog.at_level(logging.WARNING, logger="artsg_nb.rl.checkpoint"):
         tr.save_checkpoint(tmp_path, wait=False)
         tr.wait_for_checkpoint()
@@ -217,7 +217,7 @@ def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still
         assert tr.step == 1
         assert all(torch.equal(weights[n], p) for n, p in _lora(tr).items())
         assert all(torch.equal(optimizer[k], v) for k, v in _optimizer_tensors(tr).items())
-    monkeypatch.setattr(checkpoint_module, "save_file", real_save)
+    monkeypatch.setattr(checkpoint_module, "save_tensors", real_save)
     tr.checkpoints.persist(tmp_path)  # space again: written now, for readers of the disk
     assert checkpoint_module.is_complete(tmp_path) and tr.checkpoints.unwritten(tmp_path) is None
 
@@ -225,7 +225,7 @@ def test_a_failed_background_write_is_logged_leaves_no_half_checkpoint_and_still
 def test_a_bug_in_the_background_write_is_raised_not_logged(make_trainer, tmp_path, monkeypatch):
     tr = make_trainer(warm_up=False)
     tr.save_adapter(tmp_path)
-    monkeypatch.setattr(checkpoint_module, "save_file", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(checkpoint_module, "save_tensors", lambda *a, **k: 1 / 0)
     tr.save_checkpoint(tmp_path, wait=False)
     with pytest.raises(ZeroDivisionError):
         tr.wait_for_checkpoint()
@@ -321,6 +321,26 @@ def test_host_copies_are_separate_tensors_of_the_same_values_that_safetensors_wr
     save_file(copies, str(tmp_path / "x.safetensors"))
     back = load_file(str(tmp_path / "x.safetensors"))
     assert all(torch.equal(back[k], copies[k]) for k in copies)
+
+
+def test_save_tensors_writes_save_files_bytes_and_leaves_what_it_refuses_to_it(tmp_path):
+    """The fast path (safetensors' serializer by address) must write exactly what save_file
+    writes, for every dtype a checkpoint holds; what save_file refuses is still refused."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(0)
+    src = {"lora_A": torch.randn(16, 24, generator=g), "lora_B": torch.randn(40, 16, generator=g),
+           "half": torch.randn(5, dtype=torch.bfloat16, generator=g), "step": torch.tensor(3.0),
+           "rng": torch.arange(9, dtype=torch.uint8), "count": torch.tensor([7], dtype=torch.int64)}
+    copies = checkpoint_module.host_copies(src)  # views of one buffer per dtype
+    meta = {"format": "pt"}
+    checkpoint_module.save_tensors(copies, tmp_path / "fast.safetensors", metadata=meta)
+    save_file(copies, str(tmp_path / "reference.safetensors"), metadata=meta)
+    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    base = torch.arange(10.0)
+    with pytest.raises(RuntimeError, match="share memory"):  # overlapping views: save_file's own refusal
+        checkpoint_module.save_tensors({"a": base[:6], "b": base[4:]}, tmp_path / "overlap.safetensors")
+    with pytest.raises(ValueError, match="non contiguous"):
+        checkpoint_module.save_tensors({"t": torch.ones(3, 2).t()}, tmp_path / "strided.safetensors")
 
 
 def test_the_saved_adapter_holds_peft_state_dict(make_trainer, tmp_path):

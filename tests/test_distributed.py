@@ -157,8 +157,8 @@ def test_a_rollback_to_a_checkpoint_only_in_memory_reaches_every_rank(tiny_model
     try:
         trainer.train_step(groups)
         trainer.save_adapter(version)
-        real_save = checkpoint_module.save_file
-        monkeypatch.setattr(checkpoint_module, "save_file", disk_full)
+        real_save = checkpoint_module.save_tensors
+        monkeypatch.setattr(checkpoint_module, "save_tensors", disk_full)
         trainer.save_checkpoint(version, wait=False)
         trainer.wait_for_checkpoint()
         assert not is_complete(version)
@@ -166,7 +166,7 @@ def test_a_rollback_to_a_checkpoint_only_in_memory_reaches_every_rank(tiny_model
         with pytest.raises(CheckpointError, match="only in memory.*free disk space"):
             trainer.load_checkpoint(version)  # the disk still full: no rank has moved
         assert trainer.step == 2 and trainer.train_step(groups)["ranks"] == 2
-        monkeypatch.setattr(checkpoint_module, "save_file", real_save)
+        monkeypatch.setattr(checkpoint_module, "save_tensors", real_save)
         trainer.load_checkpoint(version)  # written now, then read by every rank
         assert is_complete(version) and trainer.step == 1
         assert trainer.train_step(groups)["ranks"] == 2  # rank 1 is alive and in step

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import safetensors
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
@@ -100,6 +101,37 @@ def host_copies(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: out[name] for name in named}
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' `save_file(tensors, path, metadata)`, the same bytes, for the CPU tensors
+    `host_copies` returns: handed to safetensors' own serializer by address (`TensorSpec`),
+    without save_file's per-tensor numpy view and its shared-memory scan, which hold the GIL. For
+    SmolLM2's r16 adapter (420 tensors) they were 13 of save_file's 31 ms on 2 CPU cores
+    (2026-12-06), in the update's thread on a pipelined step's critical path, and the optimizer
+    state's twice as many held the GIL from the checkpoint writer while the next update ran; the
+    write itself releases it. Anything else goes to save_file, which checks and refuses what it
+    must: a tensor not contiguous in CPU memory, tensors that overlap, a safetensors without
+    TensorSpec (before 0.8)."""
+    spec = getattr(safetensors, "TensorSpec", None)
+    if spec is None or not _separate_cpu_tensors(tensors.values()):
+        save_file(tensors, str(path), metadata=metadata)
+        return
+    specs = {name: spec(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, data_ptr=t.data_ptr(),
+                        data_len=t.numel() * t.element_size())
+             for name, t in tensors.items()}
+    safetensors.serialize_file(specs, str(path), metadata=metadata)  # `tensors` holds the memory meanwhile
+
+
+def _separate_cpu_tensors(tensors) -> bool:
+    """Whether every tensor is contiguous in CPU memory and none overlaps another."""
+    spans = []
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.layout != torch.strided:
+            return False
+        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    spans.sort()
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 def optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(the optimizer's live state tensors, meta: its param groups and scalars, copied now): what
     optimizer.safetensors (once `host_copies` has copied the tensors: they change with the next
@@ -146,7 +178,7 @@ def write_checkpoint(snapshot: CheckpointSnapshot, version: str | Path, before: 
         before()
     folder = Path(version) / TRAINER_DIR
     folder.mkdir(exist_ok=True)
-    save_file(snapshot.tensors, str(folder / OPTIMIZER_FILE))
+    save_tensors(snapshot.tensors, folder / OPTIMIZER_FILE)
     fsync_path(folder / OPTIMIZER_FILE)
     write_atomic(folder / STATE_FILE, json.dumps(snapshot.state), durable=True)
 

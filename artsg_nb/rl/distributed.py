@@ -77,7 +77,7 @@ def _take(b: Batch, idx: list[int]) -> Batch:
 
 def broadcast_lora(trainer: Trainer, src: int = 0) -> None:
     """Make every rank's trainable (LoRA) weights rank `src`'s."""
-    for p in _trainable(trainer):
+    for p in trainer.trainable:
         dist.broadcast(p.data, src)
 
 
@@ -87,7 +87,7 @@ def ddp_train_step(trainer: Trainer, groups, rank: int, world_size: int) -> dict
     batch = trainer.make_batch(groups)
     trainer.check_fused()  # before the budget is sized: it depends on whether the fused path stays
     stats = trainer.backward(batch, _take(batch, shard(batch.input_ids.shape[0], rank, world_size)))
-    params = _trainable(trainer)
+    params = trainer.trainable
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # one call for all LoRA tensors: the sum is the full gradient
     offset = 0
@@ -111,10 +111,6 @@ def all_gather_json(obj, world_size: int) -> list:
     parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world_size)]
     dist.all_gather(parts, padded)
     return [json.loads(bytes(p[:int(n.item())].tolist())) for p, n in zip(parts, sizes)]
-
-
-def _trainable(trainer: Trainer) -> list[torch.nn.Parameter]:
-    return [p for p in trainer.model.parameters() if p.requires_grad]
 
 
 # ---- worker processes ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 # transformers, peft and trl are imported where used, not here: on a GPU, Unsloth must patch them
 # before their first import, and importing Unsloth initialises CUDA, so it waits for the GPU plan
@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from ..rollout.trajectory import is_trainable
 from .checkpoint import (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE, CheckpointError, CheckpointSnapshot,
                          CheckpointWriter, checkpoint_dir, host_copies, optimizer_from_tensors, optimizer_state,
-                         read_checkpoint_file, write_checkpoint)
+                         read_checkpoint_file, save_tensors, write_checkpoint)
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
 from .logprobs import fusable, fused_kernel, text_config, token_logprobs
 from .step_stats import StepStats, batch_counts, is_ratio_stats
@@ -127,15 +127,17 @@ class Trainer:
         random.seed(cfg.seed)
         self.device = _pick_device(cfg.device)
         self.model, self.tokenizer, self.backend = _load_model(cfg, self.device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        """The adapter's parameters, as the optimizer holds them: listed once, as walking the model
+        for them took 1.5-3.5 ms at every update and every save (SmolLM2, 2026-12-06)."""
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
         self.checkpoints = CheckpointWriter()
         self.logprob_kernel = fused_kernel() if cfg.fused_logprobs and self.device.type == "cuda" else None
         """The fused logprob kernel in use (logprobs.py; None: the model's logits)."""
         self._fused_checked = self.logprob_kernel is None
         self._oom_budget: int | None = None  # a budget that ran out of memory: later ones stay below it
         self._adapter_views: tuple[tuple[int, ...], dict] | None = None  # _adapter_state's (data_ptrs, state dict)
-        log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(params))
+        log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(self.trainable))
         self.warm_up_s = self.warm_up() if cfg.warm_up else None
         """Seconds `warm_up` took when the trainer was built (None: TrainerConfig.warm_up off)."""
 
@@ -243,8 +245,7 @@ class Trainer:
         """Clip the accumulated gradients, step AdamW, zero them; returns the gradient norm. First
         waits for the checkpoint writer to have copied the optimizer state it was handed."""
         self.checkpoints.wait_taken()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], self.cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -430,7 +431,7 @@ class Trainer:
         card (README.md), which took 2/3 of the save (r16 on the tiny model: 200 → 60 ms on CPU)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file(host_copies(self._adapter_state()), str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_tensors(host_copies(self._adapter_state()), path / "adapter_model.safetensors", metadata={"format": "pt"})
         config = self.model.peft_config["default"]
         inference_mode, config.inference_mode = config.inference_mode, True  # as save_pretrained writes it
         try:
@@ -445,7 +446,7 @@ class Trainer:
         H100 (2026-12-06), half of the adapter's save. Built again when a trainable parameter's
         storage has changed; never reused when PEFT returned anything but views of them."""
         from peft import get_peft_model_state_dict
-        live = tuple(p.data_ptr() for p in self.model.parameters() if p.requires_grad)
+        live = tuple(p.data_ptr() for p in self.trainable)
         if self._adapter_views is not None and self._adapter_views[0] == live:
             return self._adapter_views[1]
         state = get_peft_model_state_dict(self.model)

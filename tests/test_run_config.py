@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from artsg_nb.run.config import RunConfig, check_resumable, config_record, resolve_schedule
+import pytest
+
+from artsg_nb.run.config import ConfigMismatchError, RunConfig, check_resumable, config_record, resolve_schedule
 from artsg_nb.tasks.registry import get_task
 
 
@@ -43,3 +45,17 @@ def test_the_package_task_registered_outside_the_registry_is_recorded_by_name():
     record = config_record(RunConfig(task=ADDITION_CHAT))
     assert record["task"] == "addition_chat" and "task_note" not in record
     assert get_task(record["task"]) is ADDITION_CHAT
+
+
+def test_a_run_of_a_notebook_task_saved_before_the_importability_note_resumes():
+    """config.json of runs saved before "task_note" existed has no note; the note says whether
+    another process could import the task, not what the run computes, so it must not refuse a
+    resume (it did: "task_note: None → 'not importable'")."""
+    from artsg_nb import Task
+
+    local = Task("in_a_cell", "defined in a notebook", max_turns=1, max_new_tokens=4, factory=lambda s: None)
+    saved = config_record(RunConfig(task=local))
+    assert saved.pop("task_note") == "not importable"  # as an older run dir has it
+    check_resumable(saved, replace(RunConfig(task=local), resume=True))
+    with pytest.raises(ConfigMismatchError, match="task: 'in_a_cell' → 'addition'"):  # the task itself still counts
+        check_resumable(saved, replace(RunConfig(task="addition"), resume=True))

@@ -169,6 +169,9 @@ _OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", 
 """Fields that change how a run is operated, not what it computes: a resumed run may change them
 (micro_batch_tokens: the update is the same in any micro-batches, and since it may be None, sized
 at every update from free memory, runs saved with 8192 resume under the new default)."""
+_NOTES = frozenset({"task_note"})
+"""What config_record adds about a field, not a field: whether another process could load the task
+(the task itself is compared by name). Runs saved before the note existed have none."""
 
 
 def resolve_schedule(schedule: str, max_turns: int) -> str:
@@ -208,7 +211,7 @@ def check_resumable(saved: dict, cfg: RunConfig) -> None:
     """Raise ConfigMismatchError naming every field (other than operational ones) that differs."""
     now = config_record(cfg)
     changed = [f"{name}: {saved.get(name)!r} → {now.get(name)!r}" for name in sorted(set(saved) | set(now))
-               if name not in _OPERATIONAL and saved.get(name) != now.get(name)]
+               if name not in _OPERATIONAL | _NOTES and saved.get(name) != now.get(name)]
     if changed:
         raise ConfigMismatchError(
             f"resume=True, but the configuration differs from the one this run was started with "

@@ -48,14 +48,29 @@ def test_the_package_task_registered_outside_the_registry_is_recorded_by_name():
 
 
 def test_a_run_of_a_notebook_task_saved_before_the_importability_note_resumes():
-    """config.json of runs saved before "task_note" existed has no note; the note says whether
-    another process could import the task, not what the run computes, so it must not refuse a
-    resume (it did: "task_note: None → 'not importable'")."""
+    """config.json of runs saved before "task_note" existed has no note. For a task no package
+    task is named like, the note is the only difference: resume (it refused: "task_note: None →
+    'not importable'"). The task itself still counts."""
     from artsg_nb import Task
 
     local = Task("in_a_cell", "defined in a notebook", max_turns=1, max_new_tokens=4, factory=lambda s: None)
     saved = config_record(RunConfig(task=local))
     assert saved.pop("task_note") == "not importable"  # as an older run dir has it
     check_resumable(saved, replace(RunConfig(task=local), resume=True))
-    with pytest.raises(ConfigMismatchError, match="task: 'in_a_cell' → 'addition'"):  # the task itself still counts
+    with pytest.raises(ConfigMismatchError, match="task: 'in_a_cell' → 'addition'"):
         check_resumable(saved, replace(RunConfig(task="addition"), resume=True))
+
+
+def test_a_notebook_task_named_like_a_package_task_never_resumes_the_other():
+    """A notebook's own "addition" is another task than the package's: neither run resumes as the
+    other, whichever was saved first, with or without the note."""
+    from artsg_nb import Task
+
+    mine = Task("addition", "my own addition, another reward", max_turns=1, max_new_tokens=4, factory=lambda s: None)
+    builtin_run, my_run = config_record(RunConfig(task="addition")), config_record(RunConfig(task=mine))
+    assert "task_note" not in builtin_run and my_run["task_note"] == "not importable"
+    with pytest.raises(ConfigMismatchError, match="task_note: None → 'not importable'"):
+        check_resumable(builtin_run, replace(RunConfig(task=mine), resume=True))
+    with pytest.raises(ConfigMismatchError, match="task_note: 'not importable' → None"):
+        check_resumable(my_run, replace(RunConfig(task="addition"), resume=True))
+    check_resumable(my_run, replace(RunConfig(task=mine), resume=True))

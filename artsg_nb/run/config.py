@@ -17,7 +17,7 @@ from typing import Sequence
 from ..engines import memory_tags
 from ..engines.base import ADMIN_TIMEOUT_S
 from ..rl.grpo import GRPOConfig
-from ..tasks.registry import NOT_IMPORTABLE, Task, task_spec
+from ..tasks.registry import NOT_IMPORTABLE, Task, is_package_task, task_spec
 
 TINY_MODEL_LEARNING_RATE = 3e-3
 """learning_rate=None on the offline tiny model (both demo tasks climb from ~0.4-0.5 to ~0.85 in
@@ -169,9 +169,6 @@ _OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", 
 """Fields that change how a run is operated, not what it computes: a resumed run may change them
 (micro_batch_tokens: the update is the same in any micro-batches, and since it may be None, sized
 at every update from free memory, runs saved with 8192 resume under the new default)."""
-_NOTES = frozenset({"task_note"})
-"""What config_record adds about a field, not a field: whether another process could load the task
-(the task itself is compared by name). Runs saved before the note existed have none."""
 
 
 def resolve_schedule(schedule: str, max_turns: int) -> str:
@@ -210,14 +207,27 @@ def config_record(cfg: RunConfig) -> dict:
 def check_resumable(saved: dict, cfg: RunConfig) -> None:
     """Raise ConfigMismatchError naming every field (other than operational ones) that differs."""
     now = config_record(cfg)
-    changed = [f"{name}: {saved.get(name)!r} → {now.get(name)!r}" for name in sorted(set(saved) | set(now))
-               if name not in _OPERATIONAL | _NOTES and saved.get(name) != now.get(name)]
+    changed = [f"{name}: {saved.get(name)!r} → {now.get(name)!r}" for name in sorted(_compared(saved, now))
+               if saved.get(name) != now.get(name)]
     if changed:
         raise ConfigMismatchError(
             f"resume=True, but the configuration differs from the one this run was started with "
             f"({CONFIG_FILE} in {cfg.run_dir}): " + "; ".join(changed) + ". A resumed run must compute "
             "what the original would have. Try: resume with the saved values "
             "(RunConfig(**json.load(open(path)))), or start a new run in another run_dir.")
+
+
+def _compared(saved: dict, now: dict) -> set[str]:
+    """The fields check_resumable compares: all but the operational ones. `task_note` too, but
+    for a record from before the note existed (it has none) of a task no package task is named
+    like, resumed with a task that is not importable: that run's task was one defined outside the
+    package, so only the note is new. A package task's name without a note stays ambiguous (the
+    built-in, or a notebook's task of that name) and is refused."""
+    names = (set(saved) | set(now)) - _OPERATIONAL
+    if ("task_note" not in saved and now.get("task_note") == NOT_IMPORTABLE
+            and not is_package_task(str(saved.get("task")))):
+        names.discard("task_note")
+    return names
 
 
 def resolve_release(cfg: RunConfig, mode: str) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -109,23 +110,34 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: d
     (2026-12-06), in the update's thread on a pipelined step's critical path, and the optimizer
     state's twice as many held the GIL from the checkpoint writer while the next update ran; the
     write itself releases it. Anything else goes to save_file, which checks and refuses what it
-    must: a tensor not contiguous in CPU memory, tensors that overlap, a safetensors without
-    TensorSpec (before 0.8)."""
-    spec = getattr(safetensors, "TensorSpec", None)
-    if spec is None or not _separate_cpu_tensors(tensors.values()):
+    must: a tensor not contiguous in CPU memory, an empty one, tensors that overlap, a dtype
+    safetensors does not know, a big-endian machine, a safetensors without TensorSpec (before 0.8)."""
+    specs = _specs(tensors)
+    if specs is None:
         save_file(tensors, str(path), metadata=metadata)
-        return
-    specs = {name: spec(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, data_ptr=t.data_ptr(),
-                        data_len=t.numel() * t.element_size())
-             for name, t in tensors.items()}
-    safetensors.serialize_file(specs, str(path), metadata=metadata)  # `tensors` holds the memory meanwhile
+    else:
+        safetensors.serialize_file(specs, str(path), metadata=metadata)  # `tensors` holds the memory meanwhile
+
+
+def _specs(tensors: dict[str, torch.Tensor]) -> dict | None:
+    """Each tensor's TensorSpec (dtype, shape, address, bytes), or None where save_tensors leaves
+    the write to save_file (its docstring)."""
+    spec = getattr(safetensors, "TensorSpec", None)
+    if spec is None or sys.byteorder != "little" or not _separate_cpu_tensors(tensors.values()):
+        return None
+    try:
+        return {name: spec(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, data_ptr=t.data_ptr(),
+                           data_len=t.numel() * t.element_size())
+                for name, t in tensors.items()}
+    except (SafetensorError, ValueError, TypeError):  # a dtype it does not know: save_file says which
+        return None
 
 
 def _separate_cpu_tensors(tensors) -> bool:
-    """Whether every tensor is contiguous in CPU memory and none overlaps another."""
+    """Whether every tensor is contiguous in CPU memory, not empty, and overlaps no other."""
     spans = []
     for t in tensors:
-        if t.device.type != "cpu" or not t.is_contiguous() or t.layout != torch.strided:
+        if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous() or t.numel() == 0:
             return False
         spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
     spans.sort()

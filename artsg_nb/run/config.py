@@ -17,7 +17,7 @@ from typing import Sequence
 from ..engines import memory_tags
 from ..engines.base import ADMIN_TIMEOUT_S
 from ..rl.grpo import GRPOConfig
-from ..tasks.registry import NOT_IMPORTABLE, Task, is_package_task, task_spec
+from ..tasks.registry import NOT_IMPORTABLE, Task, UnknownTaskError, get_task, task_spec
 
 TINY_MODEL_LEARNING_RATE = 3e-3
 """learning_rate=None on the offline tiny model (both demo tasks climb from ~0.4-0.5 to ~0.85 in
@@ -225,9 +225,17 @@ def _compared(saved: dict, now: dict) -> set[str]:
     built-in, or a notebook's task of that name) and is refused."""
     names = (set(saved) | set(now)) - _OPERATIONAL
     if ("task_note" not in saved and now.get("task_note") == NOT_IMPORTABLE
-            and not is_package_task(str(saved.get("task")))):
+            and not _is_package_task(str(saved.get("task")))):
         names.discard("task_note")
     return names
+
+
+def _is_package_task(name: str) -> bool:
+    """Whether `name` is one of this package's tasks (task_spec records it by name alone)."""
+    try:
+        return task_spec(get_task(name)) == (name, None)
+    except UnknownTaskError:
+        return False
 
 
 def resolve_release(cfg: RunConfig, mode: str) -> bool:

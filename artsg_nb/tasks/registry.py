@@ -394,12 +394,6 @@ def task_spec(task: "str | Task") -> tuple[str, str | None]:
     return (holder, None) if holder else (task.name, NOT_IMPORTABLE)
 
 
-def is_package_task(name: str) -> bool:
-    """Whether `name` is one of this package's tasks (task_spec records it by name alone)."""
-    task = _TASKS.get(name)
-    return task is not None and task_spec(task) == (name, None)
-
-
 def play(env: Env, policy: Callable[[Messages], str], max_turns: int) -> tuple[Messages, float]:
     """Run one episode; `policy(messages)` returns the reply. Returns the transcript and reward."""
     messages = env.reset()

@@ -305,46 +305,7 @@ def test_a_seal_that_fails_for_want_of_disk_leaves_the_version_served_and_not_re
         assert latest_checkpoint(run.run_dir / "adapters", row["step"]).step == row["step"]
 
 
-# ---- host copies: one transfer per device and dtype ------------------------------------------
-def test_host_copies_are_separate_tensors_of_the_same_values_that_safetensors_writes(tmp_path):
-    from safetensors.torch import load_file, save_file
-    src = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
-           "step": torch.tensor(7.0), "c": torch.arange(3.0).reshape(3, 1).t()}  # a non-contiguous one
-    copies = checkpoint_module.host_copies(src)
-    assert list(copies) == list(src)
-    for k, v in src.items():
-        assert copies[k].device.type == "cpu" and copies[k].dtype == v.dtype and copies[k].shape == v.shape
-        assert torch.equal(copies[k], v)
-    for v in src.values():
-        v.add_(100)  # the snapshot does not move with its source
-    assert copies["a"][0, 0] == 0 and copies["step"] == 7 and copies["b"][0] == 1
-    save_file(copies, str(tmp_path / "x.safetensors"))
-    back = load_file(str(tmp_path / "x.safetensors"))
-    assert all(torch.equal(back[k], copies[k]) for k in copies)
-
-
-def test_save_tensors_writes_save_files_bytes_and_leaves_what_it_refuses_to_it(tmp_path, monkeypatch):
-    """The fast path (safetensors' serializer by address) must write exactly what save_file
-    writes, for every dtype a checkpoint holds; what save_file refuses is still refused."""
-    from safetensors.torch import save_file
-    g = torch.Generator().manual_seed(0)
-    src = {"lora_A": torch.randn(16, 24, generator=g), "lora_B": torch.randn(40, 16, generator=g),
-           "half": torch.randn(5, dtype=torch.bfloat16, generator=g), "step": torch.tensor(3.0),
-           "rng": torch.arange(9, dtype=torch.uint8), "count": torch.tensor([7], dtype=torch.int64)}
-    copies = checkpoint_module.host_copies(src)  # views of one buffer per dtype
-    meta = {"format": "pt"}
-    with monkeypatch.context() as m:  # the fast path, not save_file, writes this one
-        m.setattr(checkpoint_module, "save_file", lambda *a, **k: pytest.fail("save_file was called"))
-        checkpoint_module.save_tensors(copies, tmp_path / "fast.safetensors", metadata=meta)
-    save_file(copies, str(tmp_path / "reference.safetensors"), metadata=meta)
-    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
-    base = torch.arange(10.0)
-    with pytest.raises(RuntimeError, match="share memory"):  # overlapping views: save_file's own refusal
-        checkpoint_module.save_tensors({"a": base[:6], "b": base[4:]}, tmp_path / "overlap.safetensors")
-    with pytest.raises(ValueError, match="non contiguous"):
-        checkpoint_module.save_tensors({"t": torch.ones(3, 2).t()}, tmp_path / "strided.safetensors")
-
-
+# ---- the saved adapter ----------------------------------------------------------------------
 def test_the_saved_adapter_holds_peft_state_dict(make_trainer, tmp_path):
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file

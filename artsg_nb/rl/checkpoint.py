@@ -29,19 +29,17 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import safetensors
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from ..files import fsync_path, write_atomic
+from .tensor_io import host_copies, save_tensors
 
 log = logging.getLogger(__name__)
 
@@ -82,66 +80,6 @@ def read_checkpoint_file(file: Path, read, version: Path):
             f"checkpoint file {file} is corrupt and cannot be read ({type(e).__name__}: {e}). Nothing was "
             f"restored. Try: move {version} out of the run directory and resume again (resume=True "
             "continues from the newest complete checkpoint before it), or start a new run directory.") from e
-
-
-def host_copies(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor copied into CPU memory (a copy on a CPU trainer too: a snapshot must not move
-    with the next optimizer step), in one transfer per device and dtype: a LoRA adapter is
-    hundreds of small tensors, and copied one by one from a GPU each paid a synchronous transfer
-    (SmolLM2 r16, 420 tensors: 84 ms for the adapter alone on an H100, 2026-12-06). The copies
-    are views of one buffer; safetensors writes them as separate tensors."""
-    groups: dict[tuple, list[str]] = {}
-    for name, tensor in named.items():
-        groups.setdefault((tensor.device, tensor.dtype), []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for names in groups.values():
-        parts = [named[n].detach().reshape(-1) for n in names]
-        flat = torch.cat(parts).to("cpu")  # torch.cat copies: a CPU tensor is copied too
-        for name, piece in zip(names, torch.split(flat, [p.numel() for p in parts])):
-            out[name] = piece.view(named[name].shape)
-    return {name: out[name] for name in named}
-
-
-def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors' `save_file(tensors, path, metadata)`, the same bytes, for the CPU tensors
-    `host_copies` returns: handed to safetensors' own serializer by address (`TensorSpec`),
-    without save_file's per-tensor numpy view and its shared-memory scan, which hold the GIL. For
-    SmolLM2's r16 adapter (420 tensors) they were 13 of save_file's 31 ms on 2 CPU cores
-    (2026-12-06), in the update's thread on a pipelined step's critical path, and the optimizer
-    state's twice as many held the GIL from the checkpoint writer while the next update ran; the
-    write itself releases it. Anything else goes to save_file, which checks and refuses what it
-    must: a tensor not contiguous in CPU memory, an empty one, tensors that overlap, a dtype
-    safetensors does not know, a big-endian machine, a safetensors without TensorSpec (before 0.8)."""
-    specs = _specs(tensors)
-    if specs is None:
-        save_file(tensors, str(path), metadata=metadata)
-    else:
-        safetensors.serialize_file(specs, str(path), metadata=metadata)  # `tensors` holds the memory meanwhile
-
-
-def _specs(tensors: dict[str, torch.Tensor]) -> dict | None:
-    """Each tensor's TensorSpec (dtype, shape, address, bytes), or None where save_tensors leaves
-    the write to save_file (its docstring)."""
-    spec = getattr(safetensors, "TensorSpec", None)
-    if spec is None or sys.byteorder != "little" or not _separate_cpu_tensors(tensors.values()):
-        return None
-    try:
-        return {name: spec(dtype=str(t.dtype).removeprefix("torch."), shape=t.shape, data_ptr=t.data_ptr(),
-                           data_len=t.numel() * t.element_size())
-                for name, t in tensors.items()}
-    except (SafetensorError, ValueError, TypeError):  # a dtype it does not know: save_file says which
-        return None
-
-
-def _separate_cpu_tensors(tensors) -> bool:
-    """Whether every tensor is contiguous in CPU memory, not empty, and overlaps no other."""
-    spans = []
-    for t in tensors:
-        if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous() or t.numel() == 0:
-            return False
-        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
-    spans.sort()
-    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> tuple[dict, dict]:

@@ -69,20 +69,53 @@ def test_host_staging_reuses_its_buffers_and_holds_the_latest_values():
 
 
 def test_host_staging_writes_what_save_file_writes_at_every_call(tmp_path, monkeypatch):
+    """Through every change a trainer's adapter can see: new values, new storage of the same
+    layout (a rollback), a new shape, a same-size reshape, a new dtype: the file is save_file's."""
     from safetensors.torch import save_file
     g = torch.Generator().manual_seed(0)
     src = {"lora_A": torch.randn(16, 24, generator=g), "lora_B": torch.randn(40, 16, generator=g),
-           "half": torch.randn(5, dtype=torch.bfloat16, generator=g)}
+           "half": torch.randn(6, dtype=torch.bfloat16, generator=g)}
+    changes = [lambda s: s.update({k: v * -2 for k, v in s.items()}),  # new storage, same layout
+               lambda s: s["lora_A"].add_(1.5),  # new values in place
+               lambda s: s.update(lora_B=torch.randn(48, 16, generator=g)),  # new shape
+               lambda s: s.update(half=s["half"].reshape(2, 3) + 1),  # same size, new shape
+               lambda s: s.update(half=s["half"].float()),  # new dtype
+               lambda s: None]
     staging = tensor_io.HostStaging()
-    for step in range(3):
-        with monkeypatch.context() as m:  # the fast path, with the specs worked out once
+    for step, change in enumerate(changes):
+        with monkeypatch.context() as m:  # the fast path, with the specs of the current buffers
             m.setattr(tensor_io, "save_file", lambda *a, **k: pytest.fail("save_file was called"))
             staging.save(src, tmp_path / f"{step}.safetensors", {"format": "pt"})
-        save_file({k: v.contiguous() for k, v in src.items()}, str(tmp_path / f"ref{step}.safetensors"),
-                  metadata={"format": "pt"})
-        assert (tmp_path / f"{step}.safetensors").read_bytes() == (tmp_path / f"ref{step}.safetensors").read_bytes()
-        for v in src.values():
-            v.mul_(-2)
+        save_file(src, str(tmp_path / f"ref{step}.safetensors"), metadata={"format": "pt"})
+        assert (tmp_path / f"{step}.safetensors").read_bytes() == (tmp_path / f"ref{step}.safetensors").read_bytes(), step
+        change(src)
+
+
+def test_a_failed_build_leaves_no_stale_copy_behind(tmp_path, monkeypatch):
+    """Out of (page-locked) memory while new buffers are made: the next call builds them again
+    rather than filling half-built ones and writing the old copies."""
+    from safetensors.torch import load_file
+    src = {"a": torch.ones(4), "b": torch.ones(3, dtype=torch.bfloat16)}
+    staging = tensor_io.HostStaging()
+    staging.save(src, tmp_path / "0.safetensors")
+    other = {"a": torch.full((5,), 2.0), "b": torch.full((2,), 3.0, dtype=torch.bfloat16)}
+    real_empty, made = torch.empty, []
+
+    def empty_then_out_of_memory(*args, **kwargs):
+        if made:
+            raise RuntimeError("out of memory (simulated)")
+        made.append(1)
+        return real_empty(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(tensor_io.torch, "empty", empty_then_out_of_memory)
+        with pytest.raises(RuntimeError, match="simulated"):
+            staging.save(other, tmp_path / "1.safetensors")
+    for v in src.values():
+        v.add_(7)  # the first layout again, new values
+    staging.save(src, tmp_path / "2.safetensors")
+    back = load_file(str(tmp_path / "2.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in src.items())
 
 
 @pytest.mark.gpu

@@ -55,29 +55,32 @@ class HostStaging:
         """What `host_copies(named)` returns, in this staging's buffers: valid until its next call."""
         layout = tuple((name, t.shape, t.dtype, t.device) for name, t in named.items())
         if layout != self._layout:
-            self._build(named)
-            self._layout = layout
+            self._build(named, layout)
         for names, buffer in self._groups:
             parts = _flat_parts(named, names)
             if parts[0].device.type == "cpu":
                 torch.cat(parts, out=buffer)
             else:
                 buffer.copy_(torch.cat(parts))  # one transfer into page-locked memory, waited for
-        return self._copies
+        return dict(self._copies)
 
     def save(self, named: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
         """`save_tensors(host_copies(named), path, metadata)`, the same file, through the buffers."""
-        save_tensors(self.copies(named), path, metadata, specs=self._specs)
+        copies = self.copies(named)  # first: a new layout has new buffers, whose specs these are
+        save_tensors(copies, path, metadata, specs=self._specs)
 
-    def _build(self, named: dict[str, torch.Tensor]) -> None:
-        self._groups, copies = [], {}
+    def _build(self, named: dict[str, torch.Tensor], layout: tuple) -> None:
+        """New buffers, views and specs for `layout`, kept only once all are made (a failed
+        allocation leaves none half-built behind: the next call builds again)."""
+        self._layout = None
+        groups, copies = [], {}
         for (device, dtype), names in _by_device_and_dtype(named).items():
             numel = sum(named[n].numel() for n in names)
             buffer = torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
-            self._groups.append((names, buffer))
+            groups.append((names, buffer))
             copies.update(_views(buffer, names, named))
         self._copies = {name: copies[name] for name in named}
-        self._specs = tensor_specs(self._copies)
+        self._groups, self._specs, self._layout = groups, tensor_specs(self._copies), layout
 
 
 def _by_device_and_dtype(named: dict[str, torch.Tensor]) -> dict[tuple, list[str]]:

@@ -14,6 +14,7 @@ What it does not do: decide what is saved, when or where (checkpoint.py, trainer
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import safetensors
@@ -41,9 +42,11 @@ class HostStaging:
     their device and copies the result into its buffer: the buffers (page-locked for a GPU's
     tensors, so the transfer runs at the link's speed and no new 20 MB are faulted in), the
     copies' views of them and the file's tensor specs are built again only when the sources'
-    names, shapes, dtypes or devices change. Not thread-safe: the caller holds a lock."""
+    names, shapes, dtypes or devices change. `save` holds a lock, so saves from two threads take
+    turns on the buffers; `copies` alone is for one thread."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._layout: tuple | None = None
         """(name, shape, dtype, device) of each source the buffers were built for."""
         self._groups: list[tuple[list[str], torch.Tensor]] = []
@@ -66,8 +69,9 @@ class HostStaging:
 
     def save(self, named: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
         """`save_tensors(host_copies(named), path, metadata)`, the same file, through the buffers."""
-        copies = self.copies(named)  # first: a new layout has new buffers, whose specs these are
-        save_tensors(copies, path, metadata, specs=self._specs)
+        with self._lock:
+            copies = self.copies(named)  # first: a new layout has new buffers, whose specs these are
+            save_tensors(copies, path, metadata, specs=self._specs)
 
     def _build(self, named: dict[str, torch.Tensor], layout: tuple) -> None:
         """New buffers, views and specs for `layout`, kept only once all are made (a failed

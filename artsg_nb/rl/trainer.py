@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import random
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -140,7 +139,6 @@ class Trainer:
         self._oom_budget: int | None = None  # a budget that ran out of memory: later ones stay below it
         self._adapter_views: tuple[tuple[int, ...], dict] | None = None  # _adapter_state's (data_ptrs, state dict)
         self._adapter_staging = HostStaging()  # save_adapter's CPU copy, reused from step to step
-        self._adapter_saving = threading.Lock()  # one save at a time: they share that copy
         log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(self.trainable))
         self.warm_up_s = self.warm_up() if cfg.warm_up else None
         """Seconds `warm_up` took when the trainer was built (None: TrainerConfig.warm_up off)."""
@@ -435,8 +433,7 @@ class Trainer:
         card (README.md), which took 2/3 of the save (r16 on the tiny model: 200 → 60 ms on CPU)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        with self._adapter_saving:
-            self._adapter_staging.save(self._adapter_state(), path / ADAPTER_FILE, metadata={"format": "pt"})
+        self._adapter_staging.save(self._adapter_state(), path / ADAPTER_FILE, metadata={"format": "pt"})
         config = self.model.peft_config["default"]
         inference_mode, config.inference_mode = config.inference_mode, True  # as save_pretrained writes it
         try:

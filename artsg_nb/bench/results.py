@@ -156,7 +156,8 @@ def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """Per hardware (file: `source`, when the frame has it) and job (max_new_tokens), and per
     `pipeline` setting where the frame has that column: artsg_nb's median step time, TRL's for the
     same job, and TRL / artsg_nb (the speed-up; > 1 means artsg_nb is faster), with artsg_nb's
-    `reload_s_median`, `reload_wait_s_median` and `first_train_s` (its first update) where the frame has them, and per
+    `reload_s_median`, `reload_wait_s_median`, `first_train_s` (its first update) and `overlap_median`
+    (a pipelined row's step / max(rollout, train) per step) where the frame has them, and per
     `job` shape where it has that. Rows of the same key are averaged; empty unless both frameworks
     are in the frame."""
     if df.empty or "framework" not in df:
@@ -170,7 +171,7 @@ def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
     keys = by + (["pipeline"] if "pipeline" in df else [])
     if "pipeline" in df:
         ours = ours.assign(pipeline=pipeline_flags(ours["pipeline"]))
-    extra = [c for c in ("reload_s_median", "reload_wait_s_median", "first_train_s") if c in df]
+    extra = [c for c in ("reload_s_median", "reload_wait_s_median", "first_train_s", "overlap_median") if c in df]
     mine = ours.groupby(keys)[["step_s_median", *extra]].mean().rename(columns={"step_s_median": "artsg_nb_step_s"})
     theirs = trl.groupby(by)["step_s_median"].mean().rename("trl_step_s")
     out = mine.join(theirs, on=by)

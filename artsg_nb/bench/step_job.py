@@ -29,7 +29,8 @@ from .run import hardware_name
 
 COLUMNS = ["framework", "engine", "model", "max_new_tokens", "steps", "step_s_median", "rollout_s_median",
            "train_s_median", "reload_s_median", "tokens_per_step", "reward_first", "reward_last", "hardware",
-           "date", "pipeline", "start_s", "first_train_s", "first_step_s", "commit", "job", "reload_wait_s_median"]
+           "date", "pipeline", "start_s", "first_train_s", "first_step_s", "commit", "job", "reload_wait_s_median",
+           "overlap_median"]
 """The step benchmark's CSV columns, in order (plots.plot_step_benchmark and results.step_ratios read
 them by name; columns are only ever appended). `pipeline`: RunConfig(pipeline=...) of an artsg_nb row
 (False for TRL); `start_s`: seconds to get ready to step (artsg_nb: GRPORun.start(); TRL: the leg's
@@ -40,7 +41,9 @@ update already overlaps the second step's rollouts: the synchronous leg's is the
 `commit`: source_commit(); `job`: the job's shape (`job_label`), so rows of different jobs are never
 merged or compared; `reload_wait_s_median`: the part of the reload the step waited for (a synchronous
 step: all of reload_s; a pipelined one: what was left once the next step's rollouts were in, the
-history's reload_wait_s; TRL: 0)."""
+history's reload_wait_s; TRL: 0); `overlap_median`: a pipelined artsg_nb row's median, over its steps
+after the warm-up that are followed by another, of step / max(the rollouts it overlapped, its update)
+(`overlap_ratios`: issue 26's build item 5, per step), NaN for the other rows."""
 FRAMEWORKS = ("artsg_nb", "trl")
 
 
@@ -182,7 +185,17 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
             "date": datetime.now().strftime("%Y-%m-%d"), "pipeline": bool(pipeline), "start_s": float(start_s),
             "first_train_s": _first(train_s) if first_train_s is None else float(first_train_s),
             "first_step_s": _first(step_s), "commit": source_commit(), "job": job_label(cfg),
-            "reload_wait_s_median": _median((reload_s if reload_wait_s is None else reload_wait_s)[keep])}
+            "reload_wait_s_median": _median((reload_s if reload_wait_s is None else reload_wait_s)[keep]),
+            "overlap_median": _median(overlap_ratios(step_s, rollout_s, train_s)[keep]) if pipeline else float("nan")}
+
+
+def overlap_ratios(step_s, rollout_s, train_s) -> list[float]:
+    """Per pipelined step i (rows in order): step_s[i] / max(rollout_s[i + 1], train_s[i]). Step i's
+    update overlaps the rollouts of step i + 1, sampled ahead and reported in that step's row, so
+    the last step (its rollouts ahead are in no row) has none: NaN, as has a step without an update."""
+    nan = float("nan")
+    return [s / max(r, t) if t > 0 and not math.isnan(r) else nan
+            for s, t, r in zip(step_s, train_s, [*rollout_s[1:], nan])]
 
 
 def job_label(cfg: StepBenchConfig) -> str:

@@ -227,7 +227,7 @@ def test_ratios_per_job_and_pipeline_setting_against_trl():
     r = step_ratios(pd.DataFrame(rows))
     assert list(r.index) == [(8, False), (8, True), (256, True)]
     assert list(r.columns) == ["artsg_nb_step_s", "trl_step_s", "speedup_vs_trl", "reload_s_median",
-                               "reload_wait_s_median", "first_train_s"]
+                               "reload_wait_s_median", "first_train_s", "overlap_median"]
     assert list(r["speedup_vs_trl"]) == [pytest.approx(1.5), pytest.approx(3.0), pytest.approx(4.0)]
     assert list(r["trl_step_s"]) == [3.0, 3.0, 20.0]
     assert (r.loc[(8, True), "first_train_s"], r.loc[(8, False), "reload_s_median"]) == (2.6, 0.1)  # artsg_nb's, not TRL's
@@ -270,6 +270,22 @@ def test_medians_leave_out_the_steps_without_that_part():
     assert math.isnan(step_job._median([nan]))
 
 
+def test_overlap_pairs_each_update_with_the_rollouts_it_sampled_ahead():
+    """Build item 5 per step: step i's update overlaps step i+1's rollouts (reported in row i+1).
+    Step 1 here is all update (0.5 s of a 0.55 s step), step 2 all rollouts ahead (0.4 s of 0.44 s):
+    pairing a row's own rollouts and update would call both 1.375 and 1.1 respectively."""
+    step_s, rollout_s, train_s = [0.55, 0.44, 0.30], [0.2, 0.2, 0.4], [0.5, 0.1, 0.25]
+    ratios = step_job.overlap_ratios(step_s, rollout_s, train_s)
+    assert ratios[:2] == [pytest.approx(0.55 / 0.5), pytest.approx(0.44 / 0.4)] and math.isnan(ratios[2])
+    nan = float("nan")  # a skipped update: no ratio for its step
+    assert math.isnan(step_job.overlap_ratios([0.3, 0.3], [0.2, 0.2], [nan, 0.1])[0])
+    cfg = step.StepBenchConfig(warmup=1)
+    leg = lambda pipeline: step_job.leg_result(cfg, "artsg_nb", "sglang", 8, step_s, rollout_s, train_s,  # noqa: E731
+                                               [0.01] * 3, [100.0] * 3, [0.5] * 3, pipeline=pipeline)
+    assert leg(True)["overlap_median"] == pytest.approx(1.1)  # the warm-up step left out, the last has no pair
+    assert math.isnan(leg(False)["overlap_median"])
+
+
 def test_rows_from_before_reload_wait_say_what_they_can(tmp_path):
     """A synchronous artsg_nb row waited for all of its reload, TRL for none; a pipelined one is unknown."""
     rows = [{**{c: 1.0 for c in step.COLUMNS[:step.COLUMNS.index("job") + 1]}, "framework": fw, "pipeline": pipe,
@@ -291,11 +307,11 @@ def test_a_commit_of_digits_and_one_e_is_read_back_as_text(tmp_path):
 
 @pytest.fixture(scope="module")
 def cpu_bench(tmp_path_factory, tiny_model_dir):
-    """Every leg once on the CPU engine (artsg_nb synchronous and pipelined, TRL), 2 steps each:
+    """Every leg once on the CPU engine (artsg_nb synchronous and pipelined, TRL), 3 steps each:
     (its config, the returned frame, the CSV as saved)."""
     tmp = tmp_path_factory.mktemp("step")
     out = tmp / "step.csv"
-    cfg = step.StepBenchConfig(engine="cpu", model_path=str(tiny_model_dir), max_new_tokens=(8,), steps=2,
+    cfg = step.StepBenchConfig(engine="cpu", model_path=str(tiny_model_dir), max_new_tokens=(8,), steps=3,
                                groups=2, group_size=2, run_dir=str(tmp / "runs"), out=str(out), isolate=False)
     df = step.run_step_bench(cfg)
     return cfg, df, pd.read_csv(out, dtype={"commit": str}, keep_default_na=False)
@@ -306,7 +322,7 @@ def test_cpu_step_bench_every_leg(cpu_bench):
     cfg, df, saved = cpu_bench
     assert list(saved.columns) == step.COLUMNS
     assert list(zip(saved["framework"], saved["pipeline"])) == [("artsg_nb", False), ("artsg_nb", True), ("trl", False)]
-    assert (saved["steps"] == 2).all()
+    assert (saved["steps"] == 3).all()
     for row in saved.itertuples():
         assert row.step_s_median > 0 and row.rollout_s_median > 0 and row.train_s_median > 0
         assert row.tokens_per_step > 0 and 0 <= row.reward_first <= 1 and 0 <= row.reward_last <= 1
@@ -320,6 +336,10 @@ def test_cpu_step_bench_every_leg(cpu_bench):
     history = Path(step.artsg_run_config(cfg, 8, True).run_dir) / "history.jsonl"
     waits = [json.loads(line)["reload_wait_s"] for line in history.read_text().splitlines()]
     assert saved.loc[1, "reload_wait_s_median"] == pytest.approx(step_job._median(waits[cfg.warmup:])), waits
+    assert saved.loc[0, "overlap_median"] == "" and saved.loc[2, "overlap_median"] == ""  # NaN: synchronous, TRL
+    steps = [json.loads(line) for line in history.read_text().splitlines()]
+    # step 2 (after the warm-up) paired with step 3's rollouts, which it awaited along with its update: >= 1
+    assert len(steps) == 3 and 1.0 <= float(saved.loc[1, "overlap_median"]) < math.inf
     r = step_ratios(df)
     assert list(r.index) == [(8, False), (8, True)] and r["speedup_vs_trl"].notna().all()
     assert not math.isnan(r.loc[(8, True), "first_train_s"])
@@ -332,7 +352,7 @@ def test_cpu_step_bench_pipelined_leg_samples_ahead(cpu_bench):
     cfg = cpu_bench[0]
     history = {p: Path(step.artsg_run_config(cfg, 8, p).run_dir) / "history.jsonl" for p in (False, True)}
     staleness = {p: [json.loads(line).get("staleness", 0) for line in h.read_text().splitlines()] for p, h in history.items()}
-    assert staleness == {False: [0, 0], True: [0, 1]}
+    assert staleness == {False: [0, 0, 0], True: [0, 1, 1]}
 
 
 def test_rows_of_another_job_shape_are_neither_replaced_nor_compared():

@@ -47,9 +47,11 @@
 #               a call cut short keeps the legs it finished). STEP_LIMIT_S: its limit; STEP_TOKENS: the jobs'
 #               new tokens in running order ("8 256"); STEP_PIPELINE: "False True" runs the pipelined legs too;
 #               STEP_FRAMEWORKS: "artsg_nb" leaves TRL's legs out
-#   ab-save     issue 26 item 5: the served adapter's save through rl/tensor_io.HostStaging vs the plain path it
-#               replaced, same host, arms alternated: the 8-token pipelined leg on SmolLM2 (after the smollm2
-#               phase), AB_ROUNDS (2) rounds of both, ~75 s a leg (tools/gpu/ab_save.sh); $OUT/ab_save.csv
+#   ab          issue 26 item 5: same-host A/B of the 8-token pipelined leg on SmolLM2 (after the smollm2 phase)
+#               under the arms AB_ARMS names (default "staged plain": the served adapter's save through
+#               rl/tensor_io.HostStaging vs the plain path it replaced; "switch": CPython's thread switch
+#               interval at AB_SWITCH_S), alternated, AB_ROUNDS (2) rounds, ~75 s a leg (tools/gpu/ab_step.sh);
+#               $OUT/ab.csv. ab-save: the same phase under its earlier name ($OUT/ab-save.csv)
 #   stepbench-pipe  the same artsg_nb legs with RunConfig(pipeline=True), merged into the same /tmp/step.csv
 #               (its rows replace only pipelined ones): run it in the device call after stepbench (<= 30 s
 #               apart, so the host stays warm) and $OUT/step.csv has sync, pipelined and TRL rows
@@ -131,8 +133,8 @@ for p in "$@"; do
                    --run-dir /tmp/runs/step --out "$OUT/step.csv"
                  [[ -f $OUT/step.csv ]] && cp "$OUT/step.csv" /tmp/step.csv
                  grep -E 'artsg_nb|trl|ratio|x TRL|speed|replacing' "$OUT/$p.log" | tail -14 | cut -c1-220 | sed 's/^/    /' ;;
-    ab-save)     phase ab-save "${AB_LIMIT_S:-400}" bash tools/gpu/ab_save.sh $SMOL "$OUT/ab_save.csv"
-                 grep -E '^(imported|staged|plain|the plain arm)' "$OUT/ab-save.log" | cut -c1-220 | sed 's/^/    /' ;;
+    ab|ab-save)  phase "$p" "${AB_LIMIT_S:-400}" bash tools/gpu/ab_step.sh $SMOL "$OUT/$p.csv"
+                 grep -E '^(imported|staged|plain|switch|the plain arm|unknown arm)' "$OUT/$p.log" | cut -c1-220 | sed 's/^/    /' ;;
     step-profile) phase step-profile 300 bash -c "rm -rf /tmp/runs/step-profile && python3 tools/gpu/step_profile.py --engine sglang \
                    --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens ${PROFILE_TOKENS:-8} ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} ${PROFILE_TASK:+--task $PROFILE_TASK} \
                    --run-dir /tmp/runs/step-profile --out $OUT/step_profile.json"

@@ -132,6 +132,8 @@ for p in "$@"; do
                    --max-new-tokens ${STEP_TOKENS:-8 256} $STEP_ARGS --steps ${STEP_STEPS:-8} --groups 16 --group-size 8 \
                    --run-dir /tmp/runs/step --out "$OUT/step.csv"
                  [[ -f $OUT/step.csv ]] && cp "$OUT/step.csv" /tmp/step.csv
+                 for d in /tmp/runs/step/*/; do  # each leg's rows: the per-step figures (overlap_median's pairs)
+                   [[ -f $d/history.jsonl ]] && cp "$d/history.jsonl" "$OUT/$(basename "$d")-history.jsonl"; done
                  grep -E 'artsg_nb|trl|ratio|x TRL|speed|replacing' "$OUT/$p.log" | tail -14 | cut -c1-220 | sed 's/^/    /' ;;
     ab|ab-save)  phase "$p" "${AB_LIMIT_S:-400}" bash tools/gpu/ab_step.sh $SMOL "$OUT/$p.csv"
                  grep -E '^(imported|staged|plain|switch|the plain arm|unknown arm)' "$OUT/$p.log" | cut -c1-220 | sed 's/^/    /' ;;

@@ -157,7 +157,8 @@ def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
     `pipeline` setting where the frame has that column: artsg_nb's median step time, TRL's for the
     same job, and TRL / artsg_nb (the speed-up; > 1 means artsg_nb is faster), with artsg_nb's
     `reload_s_median`, `reload_wait_s_median`, `first_train_s` (its first update) and `overlap_median`
-    (a pipelined row's step / max(rollout, train) per step) where the frame has them, and per
+    (a pipelined row's median per step of step / max(its update, the rollouts it sampled ahead))
+    where the frame has them, and per
     `job` shape where it has that. Rows of the same key are averaged; empty unless both frameworks
     are in the frame."""
     if df.empty or "framework" not in df:

@@ -111,7 +111,8 @@ async def artsg_leg(cfg: StepBenchConfig, max_new: int, pipeline: bool = False) 
     first_train_s = float(updated[0]["train_s"]) if updated else float("nan")
     return leg_result(cfg, "artsg_nb", cfg.engine, max_new, step_s, col("rollout_s"), col("train_s"),
                        col("reload_s"), col("tokens"), col("reward_mean"), pipeline=pipeline, start_s=start_s,
-                       first_train_s=first_train_s, reload_wait_s=col("reload_wait_s") if pipeline else None)
+                       first_train_s=first_train_s, reload_wait_s=col("reload_wait_s") if pipeline else None,
+                       staleness=col("staleness") if pipeline else None)
 
 
 # ---------------------------------------------------------------------------- orchestration

@@ -42,8 +42,9 @@ update already overlaps the second step's rollouts: the synchronous leg's is the
 merged or compared; `reload_wait_s_median`: the part of the reload the step waited for (a synchronous
 step: all of reload_s; a pipelined one: what was left once the next step's rollouts were in, the
 history's reload_wait_s; TRL: 0); `overlap_median`: a pipelined artsg_nb row's median, over its steps
-after the warm-up that are followed by another, of step / max(the rollouts it overlapped, its update)
-(`overlap_ratios`: issue 26's build item 5, per step), NaN for the other rows."""
+after the warm-up whose own rollouts and the next step's were sampled ahead, of step / max(its
+update, the rollouts it sampled ahead) (`overlap_ratios`: issue 26's build item 5, per step), NaN
+for the other rows."""
 FRAMEWORKS = ("artsg_nb", "trl")
 
 
@@ -170,10 +171,11 @@ def source_commit() -> str:
 
 def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, step_s, rollout_s, train_s,
                 reload_s, tokens, rewards, *, pipeline: bool = False, start_s: float = float("nan"),
-                first_train_s: float | None = None, reload_wait_s=None) -> dict:
+                first_train_s: float | None = None, reload_wait_s=None, staleness=None) -> dict:
     """One CSV row (`COLUMNS`): medians over the steps after `cfg.warmup`, the first step's and
     first update's seconds (`first_train_s`; None: the first step's train_s); `reload_wait_s`
-    None: all of reload_s was waited for."""
+    None: all of reload_s was waited for; `staleness`: a pipelined leg's history column, which says
+    which steps' rollouts were sampled ahead (`overlap_ratios`)."""
     keep = slice(cfg.warmup if len(step_s) > cfg.warmup else 0, None)
     return {"framework": framework, "engine": engine, "model": Path(cfg.model_path or default_model_dir()).name,
             "max_new_tokens": max_new, "steps": len(step_s), "step_s_median": _median(step_s[keep]),
@@ -186,16 +188,21 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
             "first_train_s": _first(train_s) if first_train_s is None else float(first_train_s),
             "first_step_s": _first(step_s), "commit": source_commit(), "job": job_label(cfg),
             "reload_wait_s_median": _median((reload_s if reload_wait_s is None else reload_wait_s)[keep]),
-            "overlap_median": _median(overlap_ratios(step_s, rollout_s, train_s)[keep]) if pipeline else float("nan")}
+            "overlap_median": (_median(overlap_ratios(step_s, rollout_s, train_s, staleness)[keep])
+                               if pipeline and staleness is not None else float("nan"))}
 
 
-def overlap_ratios(step_s, rollout_s, train_s) -> list[float]:
-    """Per pipelined step i (rows in order): step_s[i] / max(rollout_s[i + 1], train_s[i]). Step i's
-    update overlaps the rollouts of step i + 1, sampled ahead and reported in that step's row, so
-    the last step (its rollouts ahead are in no row) has none: NaN, as has a step without an update."""
+def overlap_ratios(step_s, rollout_s, train_s, staleness) -> list[float]:
+    """Per pipelined step k (rows in order): step_s[k] / max(rollout_s[k + 1], train_s[k]). Step k's
+    update overlaps the rollouts of step k + 1, sampled ahead and reported in that step's row. A
+    ratio only where both step k's rollouts and step k + 1's were sampled ahead (`staleness` 1 in
+    both rows): a step that rolled out afresh (the first, one after a skipped update or after
+    rollouts ahead that failed) is not the overlap this measures. NaN elsewhere, the last step too
+    (its rollouts ahead are in no row)."""
     nan = float("nan")
-    return [s / max(r, t) if t > 0 and not math.isnan(r) else nan
-            for s, t, r in zip(step_s, train_s, [*rollout_s[1:], nan])]
+    ahead = [s == 1 for s in staleness]
+    return [s / max(r, t) if a and a_next and t > 0 else nan
+            for s, t, r, a, a_next in zip(step_s, train_s, [*rollout_s[1:], nan], ahead, [*ahead[1:], False])]
 
 
 def job_label(cfg: StepBenchConfig) -> str:

@@ -271,19 +271,32 @@ def test_medians_leave_out_the_steps_without_that_part():
 
 
 def test_overlap_pairs_each_update_with_the_rollouts_it_sampled_ahead():
-    """Build item 5 per step: step i's update overlaps step i+1's rollouts (reported in row i+1).
-    Step 1 here is all update (0.5 s of a 0.55 s step), step 2 all rollouts ahead (0.4 s of 0.44 s):
-    pairing a row's own rollouts and update would call both 1.375 and 1.1 respectively."""
-    step_s, rollout_s, train_s = [0.55, 0.44, 0.30], [0.2, 0.2, 0.4], [0.5, 0.1, 0.25]
-    ratios = step_job.overlap_ratios(step_s, rollout_s, train_s)
-    assert ratios[:2] == [pytest.approx(0.55 / 0.5), pytest.approx(0.44 / 0.4)] and math.isnan(ratios[2])
-    nan = float("nan")  # a skipped update: no ratio for its step
-    assert math.isnan(step_job.overlap_ratios([0.3, 0.3], [0.2, 0.2], [nan, 0.1])[0])
+    """Build item 5 per step: step k's update overlaps step k+1's rollouts (reported in row k+1).
+    Pairing a row's own rollouts instead would give step 2 0.44 / 0.2 = 2.2."""
+    step_s, rollout_s, train_s, ahead = [1.0, 0.44, 0.36, 0.30], [0.5, 0.2, 0.4, 0.3], [0.5, 0.1, 0.3, 0.25], [0, 1, 1, 1]
+    ratios = step_job.overlap_ratios(step_s, rollout_s, train_s, ahead)
+    assert math.isnan(ratios[0])  # step 1 rolled out afresh: not an overlapped step
+    assert ratios[1:3] == [pytest.approx(0.44 / 0.4), pytest.approx(0.36 / 0.3)] and math.isnan(ratios[3])
+    assert step_job.overlap_ratios(step_s, rollout_s, train_s, [1] * 4)[0] == pytest.approx(2.0)
     cfg = step.StepBenchConfig(warmup=1)
-    leg = lambda pipeline: step_job.leg_result(cfg, "artsg_nb", "sglang", 8, step_s, rollout_s, train_s,  # noqa: E731
-                                               [0.01] * 3, [100.0] * 3, [0.5] * 3, pipeline=pipeline)
-    assert leg(True)["overlap_median"] == pytest.approx(1.1)  # the warm-up step left out, the last has no pair
-    assert math.isnan(leg(False)["overlap_median"])
+    leg = lambda pipeline, warmup=1, staleness=ahead: step_job.leg_result(  # noqa: E731
+        dataclasses.replace(cfg, warmup=warmup), "artsg_nb", "sglang", 8, step_s, rollout_s, train_s, [0.01] * 4,
+        [100.0] * 4, [0.5] * 4, pipeline=pipeline, staleness=staleness)
+    assert leg(True)["overlap_median"] == pytest.approx((1.1 + 1.2) / 2)  # steps 2 and 3; the last has no pair
+    assert leg(True, staleness=[1] * 4)["overlap_median"] == pytest.approx(1.15)  # the warm-up step (2.0) left out
+    assert leg(True, warmup=0, staleness=[1] * 4)["overlap_median"] == pytest.approx(1.2)  # ... and kept
+    assert leg(True, warmup=0)["overlap_median"] == pytest.approx((1.1 + 1.2) / 2)  # step 1 is not overlapped
+    assert math.isnan(leg(False, staleness=None)["overlap_median"])
+
+
+def test_overlap_leaves_out_steps_that_rolled_out_afresh():
+    """A skipped update (no signal: train_s 0, no rollouts ahead) and the step after it, which rolls
+    out afresh (staleness 0), are not overlapped steps; a NaN train_s neither."""
+    nan = float("nan")
+    ratios = step_job.overlap_ratios([0.3, 0.2, 0.5, 0.3, 0.3], [0.2, 0.2, 0.2, 0.2, 0.2], [0.25, 0.0, 0.25, 0.25, nan],
+                                     [1, 1, 0, 1, 1])
+    assert math.isnan(ratios[1]) and math.isnan(ratios[2]) and math.isnan(ratios[4])
+    assert ratios[0] == pytest.approx(1.2) and ratios[3] == pytest.approx(1.2)
 
 
 def test_rows_from_before_reload_wait_say_what_they_can(tmp_path):

@@ -14,11 +14,14 @@
 #           that runs the rollouts ahead (and the other way round)?
 # Each leg's log says which code and interval it ran. Prints one line per leg (step, rollout and train
 # medians, step / max of those medians, the per-step overlap median, the saves logged) and writes every
-# leg's row, with its arm and round first, to OUT_CSV. Not a test: a measurement for tools/gpu/README.md item 9.
+# leg's row, with its arm and round first, to OUT_CSV; exits 1 if a leg gave no row. Not a test: a measurement for tools/gpu/README.md item 9.
 #
 #   bash tools/gpu/ab_step.sh MODEL_DIR OUT_CSV      (validate.sh ab / ab-save; AB_ENGINE: cpu for a dry run)
 set -uo pipefail
 model=$1 out=$2 repo=$PWD arms=${AB_ARMS:-staged plain}
+for arm in $arms; do  # every name checked before any leg spends device time
+  case $arm in staged|plain|switch) ;; *) echo "unknown arm $arm in AB_ARMS: choose from staged plain switch"; exit 1 ;; esac
+done
 if [[ " $arms " == *" plain "* ]]; then
   plain=/tmp/ab-plain
   rm -rf "$plain" && mkdir -p "$plain" && cp -r artsg_nb "$plain/" || exit 1
@@ -53,14 +56,13 @@ EOF
 }
 
 rm -f "$out"
+failed=0
 for round in $(seq "${AB_ROUNDS:-2}"); do
   for arm in $arms; do
     root=$repo path=${PYTHONPATH:-}
     case $arm in
-      staged) ;;
       plain)  root=$plain ;;
       switch) path=$switch_dir${path:+:$path} ;;
-      *) echo "unknown arm $arm: choose from staged plain switch"; exit 1 ;;
     esac
     csv=/tmp/ab-$arm-$round.csv log=/tmp/ab-$arm-$round.log; rm -f "$csv"
     (cd "$root" && export PYTHONPATH=$path && python3 -c "import sys, artsg_nb.rl.trainer as t, inspect
@@ -70,6 +72,7 @@ print('imported', t.__file__, 'HostStaging' if '_adapter_staging.save' in src el
        --frameworks artsg_nb --pipeline True --steps "${AB_STEPS:-8}" --groups 16 --group-size 8 \
        --run-dir "/tmp/runs/ab-$arm" --out "$csv") >"$log" 2>&1
     if [[ -f $csv ]]; then grep '^imported' "$log"; summary "$arm" "$round" "$csv" "$log"
-    else echo "$arm round $round: no row"; tail -8 "$log" | cut -c1-200; fi
+    else echo "$arm round $round: no row"; tail -8 "$log" | cut -c1-200; failed=$((failed + 1)); fi
   done
 done
+(( failed == 0 )) || { echo "$failed leg(s) gave no row"; exit 1; }

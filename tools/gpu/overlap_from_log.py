@@ -20,9 +20,12 @@ for line in text:
         continue
     t = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(m[2]) / 1000
     k, msg = int(m[3]), m[4]
+    if msg.startswith("rollouts under") and k == 1:
+        cur = {}
+        legs.append(cur)
+    if cur is None:  # the log starts partway through a leg
+        continue
     if msg.startswith("rollouts under"):
-        if k == 1:
-            cur = {}; legs.append(cur)
         cur.setdefault(k, {})["start"] = t
     elif (g := re.match(r"\d+ groups in ([0-9.]+) s", msg)):
         cur.setdefault(k, {})["r"] = float(g[1])
@@ -34,7 +37,9 @@ for i, leg in enumerate(legs):
     ks = sorted(leg)
     ratios = []
     for k in ks[1:]:  # warm-up 1
-        if k + 1 in leg and "start" in leg[k + 1]:
+        nxt = leg.get(k + 1, {})
+        if "u" in leg[k] and "start" in nxt and "r" in nxt:  # a skipped update logs no "update in"
             wall = leg[k + 1]["start"] - leg[k]["start"]
             ratios.append(wall / max(leg[k]["u"], leg[k + 1]["r"]))
-    print(f"leg {i}: pipelined, steps {len(ks)}, per-step overlap {[round(r, 3) for r in ratios]}, median {statistics.median(ratios):.3f}")
+    median = f"{statistics.median(ratios):.3f}" if ratios else "none"
+    print(f"leg {i}: pipelined, steps {len(ks)}, per-step overlap {[round(r, 3) for r in ratios]}, median {median}")

@@ -50,8 +50,8 @@
 #   ab          issue 26 item 5: same-host A/B of the 8-token pipelined leg on SmolLM2 (after the smollm2 phase)
 #               under the arms AB_ARMS names (default "staged plain": the served adapter's save through
 #               rl/tensor_io.HostStaging vs the plain path it replaced; "switch": CPython's thread switch
-#               interval at AB_SWITCH_S), alternated, AB_ROUNDS (2) rounds, ~75 s a leg (tools/gpu/ab_step.sh);
-#               $OUT/ab.csv. ab-save: the same phase under its earlier name ($OUT/ab-save.csv)
+#               interval at AB_SWITCH_S), alternated, AB_ROUNDS (2) rounds, ~75 s a leg (tools/gpu/ab_step.sh;
+#               AB_LIMIT_S: its limit, 560); $OUT/ab.csv. ab-save: the phase with AB_ARMS "staged plain" ($OUT/ab-save.csv)
 #   stepbench-pipe  the same artsg_nb legs with RunConfig(pipeline=True), merged into the same /tmp/step.csv
 #               (its rows replace only pipelined ones): run it in the device call after stepbench (<= 30 s
 #               apart, so the host stays warm) and $OUT/step.csv has sync, pipelined and TRL rows
@@ -128,14 +128,16 @@ for p in "$@"; do
     stepbench|stepbench-pipe)
                  STEP_ARGS="--frameworks ${STEP_FRAMEWORKS:-artsg_nb trl} --pipeline ${STEP_PIPELINE:-False}"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
                  [[ -f /tmp/step.csv ]] && cp /tmp/step.csv "$OUT/step.csv"  # written in $OUT after every leg: a cut call keeps its legs
+                 touch /tmp/stepbench.stamp  # the histories of this phase's legs only, not those of an earlier call's
                  phase "$p" "${STEP_LIMIT_S:-560}" python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL \
                    --max-new-tokens ${STEP_TOKENS:-8 256} $STEP_ARGS --steps ${STEP_STEPS:-8} --groups 16 --group-size 8 \
                    --run-dir /tmp/runs/step --out "$OUT/step.csv"
                  [[ -f $OUT/step.csv ]] && cp "$OUT/step.csv" /tmp/step.csv
                  for d in /tmp/runs/step/*/; do  # each leg's rows: the per-step figures (overlap_median's pairs)
-                   [[ -f $d/history.jsonl ]] && cp "$d/history.jsonl" "$OUT/$(basename "$d")-history.jsonl"; done
+                   [[ $d/history.jsonl -nt /tmp/stepbench.stamp ]] && cp "$d/history.jsonl" "$OUT/$(basename "$d")-history.jsonl"; done
                  grep -E 'artsg_nb|trl|ratio|x TRL|speed|replacing' "$OUT/$p.log" | tail -14 | cut -c1-220 | sed 's/^/    /' ;;
-    ab|ab-save)  phase "$p" "${AB_LIMIT_S:-400}" bash tools/gpu/ab_step.sh $SMOL "$OUT/$p.csv"
+    ab|ab-save)  [[ $p == ab-save ]] && export AB_ARMS="staged plain"
+                 phase "$p" "${AB_LIMIT_S:-560}" bash tools/gpu/ab_step.sh $SMOL "$OUT/$p.csv"
                  grep -E '^(imported|staged|plain|switch|the plain arm|unknown arm)' "$OUT/$p.log" | cut -c1-220 | sed 's/^/    /' ;;
     step-profile) phase step-profile 300 bash -c "rm -rf /tmp/runs/step-profile && python3 tools/gpu/step_profile.py --engine sglang \
                    --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens ${PROFILE_TOKENS:-8} ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} ${PROFILE_TASK:+--task $PROFILE_TASK} \

@@ -175,7 +175,7 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
     """One CSV row (`COLUMNS`): medians over the steps after `cfg.warmup`, the first step's and
     first update's seconds (`first_train_s`; None: the first step's train_s); `reload_wait_s`
     None: all of reload_s was waited for; `staleness`: a pipelined leg's history column, which says
-    which steps' rollouts were sampled ahead (`overlap_ratios`)."""
+    which steps' rollouts were sampled ahead (`overlap_ratios`; None: no overlap_median)."""
     keep = slice(cfg.warmup if len(step_s) > cfg.warmup else 0, None)
     return {"framework": framework, "engine": engine, "model": Path(cfg.model_path or default_model_dir()).name,
             "max_new_tokens": max_new, "steps": len(step_s), "step_s_median": _median(step_s[keep]),
@@ -189,7 +189,7 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
             "first_step_s": _first(step_s), "commit": source_commit(), "job": job_label(cfg),
             "reload_wait_s_median": _median((reload_s if reload_wait_s is None else reload_wait_s)[keep]),
             "overlap_median": (_median(overlap_ratios(step_s, rollout_s, train_s, staleness)[keep])
-                               if pipeline and staleness is not None else float("nan"))}
+                               if staleness is not None else float("nan"))}
 
 
 def overlap_ratios(step_s, rollout_s, train_s, staleness) -> list[float]:

@@ -136,8 +136,8 @@ for p in "$@"; do
                  for d in /tmp/runs/step/*/; do  # each leg's rows: the per-step figures (overlap_median's pairs)
                    [[ $d/history.jsonl -nt /tmp/stepbench.stamp ]] && cp "$d/history.jsonl" "$OUT/$(basename "$d")-history.jsonl"; done
                  grep -E 'artsg_nb|trl|ratio|x TRL|speed|replacing' "$OUT/$p.log" | tail -14 | cut -c1-220 | sed 's/^/    /' ;;
-    ab|ab-save)  [[ $p == ab-save ]] && export AB_ARMS="staged plain"
-                 phase "$p" "${AB_LIMIT_S:-560}" bash tools/gpu/ab_step.sh $SMOL "$OUT/$p.csv"
+    ab|ab-save)  ARMS=${AB_ARMS:-staged plain}; [[ $p == ab-save ]] && ARMS="staged plain"  # this phase's only
+                 phase "$p" "${AB_LIMIT_S:-560}" env AB_ARMS="$ARMS" bash tools/gpu/ab_step.sh $SMOL "$OUT/$p.csv"
                  grep -E '^(imported|staged|plain|switch|the plain arm|unknown arm)' "$OUT/$p.log" | cut -c1-220 | sed 's/^/    /' ;;
     step-profile) phase step-profile 300 bash -c "rm -rf /tmp/runs/step-profile && python3 tools/gpu/step_profile.py --engine sglang \
                    --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens ${PROFILE_TOKENS:-8} ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} ${PROFILE_TASK:+--task $PROFILE_TASK} \

@@ -448,6 +448,12 @@ def _gpu0_used_gib() -> float:
     return list_gpus()[0].mem_used_mib / 1024
 
 
+def _sglang_memory_lines(log: Path) -> list[str]:
+    """What SGLang's log says of its memory (weights loaded, KV pool sized), for a failure message."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return [line[-200:] for line in lines if "avail mem" in line or "KV Cache" in line][-6:]
+
+
 @pytest.mark.gpu
 @pytest.mark.sglang
 @pytest.mark.skipif(not _sglang_env_ready(), reason="needs a GPU and ARTSG_SERVER_PYTHON (real SGLang)")
@@ -458,10 +464,14 @@ def test_real_sglang_orphan_reaped_then_start_stop(tmp_path):
     from artsg_nb.models.tiny import default_model_dir
 
     model = str(default_model_dir("0.5b", pretrain_steps=0))
+    before = _gpu0_used_gib()
     kernel, port, pid = start_kernel(KERNEL_STARTS_SGLANG, model, str(tmp_path / "dead"), *SGLANG_TEST_ARGS)
     workers = procs.group_members(pid)
-    held = _gpu0_used_gib()
-    assert len(workers) >= 2 and held > 20, (workers, held)  # 0.3 × 141 GiB reserved
+    held = _gpu0_used_gib() - before
+    # The orphan must hold more than the 5 GiB the release check below allows, on any card: SGLang's
+    # KV pool is what is left of its 0.3 share after the weights, so the GiB depend on the card and on
+    # what was free when it profiled (0.3 x 141 GiB on an H200; 14.9 GiB on one H100 host, 2026-12-06)
+    assert len(workers) >= 2 and held > 5, (workers, held, _sglang_memory_lines(tmp_path / "dead" / "sglang.log"))
     kernel.send_signal(signal.SIGKILL)
     kernel.wait()
     kernel.stdout.close()

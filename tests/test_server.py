@@ -448,8 +448,49 @@ def _gpu0_used_gib() -> float:
     return list_gpus()[0].mem_used_mib / 1024
 
 
+def _gpu0_processes_gib() -> dict[int, float]:
+    """GiB held on GPU 0 by each compute process NVML names with a figure ({} where it names none)."""
+    import pynvml
+
+    from artsg_nb.serving.gpus import list_gpus
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(list_gpus()[0].index)
+        return {p.pid: p.usedGpuMemory / 2**30 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if p.usedGpuMemory is not None}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+class GpuHolding:
+    """What a server's processes hold on GPU 0, robust to other GPU users (the smoke runs these tests
+    beside its other parts on the same GPU). Where NVML names the server's processes, their own
+    figures count; where it names none of them (a runtime without per-process accounting), the
+    device's use over what was used before the start."""
+
+    def __init__(self, pids: list[int], before_gib: float):
+        self.pids, self.before_gib = set(pids), before_gib
+        self.per_process = bool(self.pids & set(_gpu0_processes_gib()))
+
+    def gib(self) -> float:
+        if self.per_process:
+            return sum(gib for pid, gib in _gpu0_processes_gib().items() if pid in self.pids)
+        return _gpu0_used_gib() - self.before_gib
+
+    def released(self, timeout_s: float = 30) -> bool:
+        """Whether, within timeout_s, the processes hold nothing (the device is back within 2 GiB of
+        its use before the start, without per-process figures)."""
+        deadline = time.monotonic() + timeout_s
+        while self.gib() > (0 if self.per_process else 2):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
+
 def _sglang_memory_lines(log: Path) -> list[str]:
-    """What SGLang's log says of its memory (weights loaded, KV pool sized), for a failure message."""
+    """What SGLang's log says of its memory (free at start, weights loaded, KV pool sized)."""
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     return [line[-200:] for line in lines if "avail mem" in line or "KV Cache" in line][-6:]
 
@@ -467,11 +508,13 @@ def test_real_sglang_orphan_reaped_then_start_stop(tmp_path):
     before = _gpu0_used_gib()
     kernel, port, pid = start_kernel(KERNEL_STARTS_SGLANG, model, str(tmp_path / "dead"), *SGLANG_TEST_ARGS)
     workers = procs.group_members(pid)
-    held = _gpu0_used_gib() - before
-    # The orphan must hold more than the 5 GiB the release check below allows, on any card: SGLang's
-    # KV pool is what is left of its 0.3 share after the weights, so the GiB depend on the card and on
-    # what was free when it profiled (0.3 x 141 GiB on an H200; 14.9 GiB on one H100 host, 2026-12-06)
-    assert len(workers) >= 2 and held > 5, (workers, held, _sglang_memory_lines(tmp_path / "dead" / "sglang.log"))
+    orphan = GpuHolding(workers, before)
+    held = orphan.gib()
+    # Its KV pool is 0.3 of what was free when SGLang started, less the weights: 0.3 x 141 GiB on an
+    # idle H200, 14.9 GiB on an H100 that another part's server shared (2026-12-06). More than 1 GiB
+    # means it holds the pool.
+    assert len(workers) >= 2 and held > 1, (workers, held, orphan.per_process,
+                                            _sglang_memory_lines(tmp_path / "dead" / "sglang.log"))
     kernel.send_signal(signal.SIGKILL)
     kernel.wait()
     kernel.stdout.close()
@@ -482,21 +525,22 @@ def test_real_sglang_orphan_reaped_then_start_stop(tmp_path):
     t0 = time.monotonic()
     srv = start_server(cfg)  # reaps first
     try:
-        print(f"SGLang {srv.server_env.version} ready in {time.monotonic() - t0:.0f} s; "
-              f"orphan held {held:.1f} GiB")
+        print(f"SGLang {srv.server_env.version} ready in {time.monotonic() - t0:.0f} s; orphan held "
+              f"{held:.1f} GiB ({'its processes' if orphan.per_process else 'the device over before'})")
         assert not any(procs.is_running(w, None) for w in workers)
+        assert not orphan.per_process or orphan.gib() == 0, "the reaped orphan's memory is still held"
         assert procs.port_is_free("127.0.0.1", port)
-        assert health(srv) == 200 and len(procs.group_members(srv.pid)) >= 2
+        served = procs.group_members(srv.pid)
+        assert health(srv) == 200 and len(served) >= 2
         assert start_server(cfg) is srv
         cmd = srv.record.command
-        # 0.3 of the GPU's total over what was free at launch (SGLang counts from there): a little above 0.3
-        assert 0.3 <= float(cmd[cmd.index("--mem-fraction-static") + 1]) < 0.31
+        # 0.3 of the GPU's total over what was free at launch (SGLang counts from there): at least 0.3,
+        # more while another part's server shares the GPU (the formula's own test runs on CPU above)
+        assert 0.3 <= float(cmd[cmd.index("--mem-fraction-static") + 1]) < 1
+        new = GpuHolding(served, before)
     finally:
         srv.stop(timeout_s=30)
-    deadline = time.monotonic() + 30
-    while _gpu0_used_gib() > 5 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _gpu0_used_gib() < 5, "GPU memory not released after stop"
+    assert new.released(), f"GPU memory not released after stop: {new.gib():.1f} GiB"
 
 
 @pytest.mark.parametrize("ok, style", [(True, "success"), (False, "danger")])

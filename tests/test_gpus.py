@@ -103,7 +103,8 @@ def fake_pynvml(devices: list[tuple[str, str, int, int]], fail: bool = False):
         nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=h[2] * 2**20, used=h[3] * 2**20),
         nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=h[4] if len(h) > 4 else 0, memory=0),
         nvmlDeviceGetPowerUsage=lambda h: h[5] if len(h) > 5 else _unsupported(),  # milliwatts
-        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000)
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700_000,
+        nvmlDeviceGetComputeRunningProcesses=lambda h: h[6] if len(h) > 6 else _unsupported())
 
 
 def _unsupported():
@@ -126,6 +127,18 @@ def test_list_gpus_reads_utilisation_and_power_where_supported(monkeypatch):
     first, second = gpus.list_gpus()
     assert (first.util_pct, first.power_w, first.power_limit_w) == (93.0, 654.321, 700.0)
     assert (second.util_pct, second.power_w) == (5.0, None)
+
+
+def test_process_memory_is_read_per_pid_where_nvml_gives_it(monkeypatch):
+    """Per-process figures (a server's own memory beside other GPU users); a process without a figure
+    is left out, and a GPU whose processes NVML cannot list, or no driver, gives {}, not an error."""
+    procs = [SimpleNamespace(pid=11, usedGpuMemory=3 * 2**30), SimpleNamespace(pid=12, usedGpuMemory=None)]
+    monkeypatch.setattr(gpus, "pynvml", fake_pynvml([("H200", "GPU-aa", 1000, 10, 0, None, procs),
+                                                     ("H200", "GPU-bb", 1000, 20)]))
+    assert gpus.process_memory_mib(0) == {11: 3072.0}
+    assert gpus.process_memory_mib(1) == {}
+    monkeypatch.setattr(gpus, "pynvml", fake_pynvml([], fail=True))
+    assert gpus.process_memory_mib(0) == {}
 
 
 def test_no_driver_is_an_empty_list_and_require_gpu_explains(monkeypatch):

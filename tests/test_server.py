@@ -443,28 +443,9 @@ import time; time.sleep(900)
 '''
 
 
-def _gpu0_used_gib() -> float:
-    from artsg_nb.serving.gpus import list_gpus
-    return list_gpus()[0].mem_used_mib / 1024
-
-
 def _gpu0_processes_gib() -> dict[int, float]:
-    """GiB held on GPU 0 by each compute process NVML names with a figure ({} where it names none,
-    or cannot list processes on this GPU)."""
-    import pynvml
-
-    from artsg_nb.serving.gpus import list_gpus
-
-    index = list_gpus()[0].index
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return {p.pid: p.usedGpuMemory / 2**30 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                if p.usedGpuMemory is not None}
-    except pynvml.NVMLError:
-        return {}
-    finally:
-        pynvml.nvmlShutdown()
+    from artsg_nb.serving.gpus import list_gpus, process_memory_mib
+    return {pid: mib / 1024 for pid, mib in process_memory_mib(list_gpus()[0].index).items()}
 
 
 class GpuHolding:

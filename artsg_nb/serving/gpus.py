@@ -178,6 +178,26 @@ def list_gpus() -> list[GpuInfo]:
     return _visible(gpus, _original_visible if _applied else os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
+def process_memory_mib(index: int) -> dict[int, float]:
+    """MiB held on GPU `index` (physical) by each compute process NVML names with a figure, by pid;
+    {} (never an error) without a driver, or where NVML cannot list this GPU's processes. The pids
+    are those NVML sees, which in a container may not be this process's own namespace."""
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # as list_gpus
+        log.debug("no NVML: %s: %s", type(e).__name__, e)
+        return {}
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return {p.pid: p.usedGpuMemory / 2**20 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if p.usedGpuMemory is not None}
+    except pynvml.NVMLError as e:
+        log.debug("NVML could not list GPU %d's processes: %s", index, e)
+        return {}
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _read(pynvml, i: int) -> GpuInfo:
     h = pynvml.nvmlDeviceGetHandleByIndex(i)
     mem = pynvml.nvmlDeviceGetMemoryInfo(h)

@@ -98,6 +98,8 @@ def gpu_memory(index: int, server_pid: int | None) -> dict:
     """NVML: memory used on the GPU, and by the server's processes where NVML names them."""
     import psutil
 
+    from artsg_nb.serving.gpus import process_memory_mib
+
     try:
         import pynvml
 
@@ -107,9 +109,9 @@ def gpu_memory(index: int, server_pid: int | None) -> dict:
     try:
         h = pynvml.nvmlDeviceGetHandleByIndex(index)
         used = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
-        procs = {p.pid: (p.usedGpuMemory or 0) / 2**30 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
     finally:
         pynvml.nvmlShutdown()
+    procs = {pid: mib / 1024 for pid, mib in process_memory_mib(index).items()}
     tree = set()
     if server_pid is not None:
         try:

@@ -9,14 +9,15 @@
 # What it does not: install anything (`make venv` does), or keep the temporary HOME (it is
 # removed on exit; KEEP_TEST_HOME=1 keeps it and says where it is).
 #
-#   tools/run_tests.sh faults+notebooks main   # what `make test` runs: two lanes side by side
-#   tools/run_tests.sh faults                  # `make test-faults` (also test-notebooks, test-main)
+#   tools/run_tests.sh faults+notebooks+ranks main   # what `make test` runs: two lanes side by side
+#   tools/run_tests.sh faults                        # `make test-faults` (also -notebooks, -ranks, -main)
 set -uo pipefail
 
 PY=${PY:-.venv/bin/python}
 NB_TIMEOUT=${NB_TIMEOUT:-900}
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q)
 NOTEBOOK_TESTS=(tests/test_notebooks.py tests/test_browser.py)  # the notebooks suite's, not main's
+RANK_TESTS=(tests/test_distributed.py)  # the ranks suite's (torch.distributed trainer ranks), not main's
 
 suite_command() {
     case $1 in
@@ -26,8 +27,12 @@ suite_command() {
         notebooks) echo "${PYTEST[*]} -m 'not faults' --nbmake --nbmake-timeout=$NB_TIMEOUT" \
                         "--deselect notebooks/01_quickstart.ipynb::01_quickstart.ipynb --durations=8 notebooks" \
                         "${NOTEBOOK_TESTS[*]}" ;;
-        main) echo "${PYTEST[*]} -m 'not faults' --durations=15 tests ${NOTEBOOK_TESTS[*]/#/--ignore=}" ;;
-        *) echo "unknown suite '$1' (known: faults, notebooks, main)" >&2; return 2 ;;
+        # trainer ranks in processes of their own: a suite apart only so that `make test` can run it
+        # in the faults+notebooks lane, which is shorter than main's by about its length
+        ranks) echo "${PYTEST[*]} -m 'not faults' --durations=5 ${RANK_TESTS[*]}" ;;
+        main) echo "${PYTEST[*]} -m 'not faults' --durations=15 tests ${NOTEBOOK_TESTS[*]/#/--ignore=}" \
+                   "${RANK_TESTS[*]/#/--ignore=}" ;;
+        *) echo "unknown suite '$1' (known: faults, notebooks, ranks, main)" >&2; return 2 ;;
     esac
 }
 
@@ -55,14 +60,15 @@ closing_lines() {
 lanes=("$@")
 suites=()
 for lane in "${lanes[@]}"; do IFS=+ read -ra names <<<"$lane"; suites+=("${names[@]}"); done
-(( ${#lanes[@]} )) || { echo "usage: $0 LANE... (a lane: a suite, or suites joined by +; suites: faults, notebooks, main)" >&2; exit 2; }
+(( ${#lanes[@]} )) || { echo "usage: $0 LANE... (a lane: a suite, or suites joined by +; suites: faults, notebooks, ranks, main)" >&2; exit 2; }
 for name in "${suites[@]}"; do suite_command "$name" >/dev/null || exit 2; done
 fresh_home
 declare -A rc
 # SUITES_SIDE_BY_SIDE=1 (make test's default): every lane but the last runs in the background,
 # its output shown when it ends; each suite keeps about one of CI's two cores busy (measured:
 # user+sys 103 s of 109 s wall for 13 fault tests), so side by side the lanes take the longest
-# one's time: `make test` runs faults then notebooks (~6 + ~4.5 min) beside main (~11.5 min).
+# one's time: `make test` runs faults, notebooks and ranks (~4 + ~3 + ~1 min) beside main (~8 min,
+# 2-core machine, 2026-12-07; main was ~9 with the ranks in it, CI ~1.5x these).
 # The faults suite's server records are private per module (tests/faults/conftest.py), so one
 # suite's orphan reaping never touches the other's servers.
 run_suite() {  # suite $1, its header and output into $home/$1.log (on the terminal too with $2 = tee); its exit status

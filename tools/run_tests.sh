@@ -67,8 +67,8 @@ declare -A rc
 # SUITES_SIDE_BY_SIDE=1 (make test's default): every lane but the last runs in the background,
 # its output shown when it ends; each suite keeps about one of CI's two cores busy (measured:
 # user+sys 103 s of 109 s wall for 13 fault tests), so side by side the lanes take the longest
-# one's time: `make test` runs faults, notebooks and ranks (~4 + ~3 + ~1 min) beside main (~8 min,
-# 2-core machine, 2026-12-07; main was ~9 with the ranks in it, CI ~1.5x these).
+# one's time: `make test` runs faults, notebooks and ranks (3.7 + 2.3 + 1 min) beside main (7.2 min;
+# 2-core machine, 2026-12-07, 8.9 min in all; main took 8.6 with the ranks in it, 10.6 in all).
 # The faults suite's server records are private per module (tests/faults/conftest.py), so one
 # suite's orphan reaping never touches the other's servers.
 run_suite() {  # suite $1, its header and output into $home/$1.log (on the terminal too with $2 = tee); its exit status

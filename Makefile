@@ -1,6 +1,6 @@
 # Two commands for a fresh machine (see README):
 #   make demo   set up, then run the quickstart notebook headless (CPU engine + tiny model without a GPU)
-#   make test   set up, then run every test (unit, integration, faults, notebooks, browser)
+#   make test   set up, then run every test (unit, integration, faults, notebooks, browser, ranks)
 #   make test-faults / test-notebooks / test-ranks / test-main   one suite (see tools/run_tests.sh)
 # Without conda, environments live in .venv/ (kernel) and .venv-server/ (SGLang, GPU boxes only),
 # built from environment-train.yml / environment-server.yml; re-running reuses what is installed.

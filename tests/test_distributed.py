@@ -5,7 +5,8 @@ torchrun-style environment), each take half of the same batch; rank 0 saves the 
 LoRA weights must match Trainer.train_step's on the whole batch, for each loss normalisation
 (dapo divides by the batch's completion tokens, grpo and dr_grpo by its sequences), which holds
 only if every rank normalises by the whole batch and the gradients are summed, not averaged.
-Marked slow (~30 s: two ranks load the tiny model per loss type).
+Marked slow (~1 min for the file on 2 cores: two ranks load the tiny model per loss type); its own
+suite, `make test-ranks` (tools/run_tests.sh).
 """
 import json
 import pickle

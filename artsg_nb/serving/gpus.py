@@ -310,8 +310,8 @@ def launch_mem_fraction(share: float, server_gpus: Sequence[int], gpus: Sequence
 
     NVML is read here, before the launch; SGLang reads it again after its imports. Memory taken in
     between (the trainer loading beside it) makes the server smaller, the safe direction; memory
-    freed in between (another server on the GPU stopping) makes it larger than planned: 46.8 GiB
-    for a 0.3 share of an H100 whose other smoke parts' servers stopped (2026-12-07)."""
+    freed in between (another server on the GPU stopping) makes it larger than planned (likely why
+    a 0.3 share held 46.8 GiB of an 80 GiB H100 beside the smoke's other parts, 2026-12-07)."""
     by_index = {g.index: g for g in (list_gpus() if gpus is None else gpus)}
     mine = [by_index[i] for i in server_gpus if i in by_index and by_index[i].mem_total_mib > 0]
     if not mine:

@@ -98,19 +98,12 @@ def gpu_memory(index: int, server_pid: int | None) -> dict:
     """NVML: memory used on the GPU, and by the server's processes where NVML names them."""
     import psutil
 
-    from artsg_nb.serving.gpus import process_memory_mib
+    from artsg_nb.serving.gpus import list_gpus, process_memory_mib
 
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception as e:  # no GPU (--engine cpu): no figures, not a failure
-        return {"device_used_gib": None, "nvml_error": f"{type(e).__name__}: {e}"}
-    try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(index)
-        used = pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30
-    finally:
-        pynvml.nvmlShutdown()
+    gpu = next((g for g in list_gpus() if g.index == index), None)
+    if gpu is None:  # no GPU (--engine cpu): no figures, not a failure
+        return {"device_used_gib": None, "nvml_error": f"NVML shows no GPU {index} (no driver, or not visible)"}
+    used = gpu.mem_used_mib / 1024
     procs = {pid: mib / 1024 for pid, mib in process_memory_mib(index).items()}
     tree = set()
     if server_pid is not None:

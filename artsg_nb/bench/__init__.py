@@ -16,6 +16,7 @@ Modules, one responsibility each:
     results     COLUMNS, the CSV files, and the tables made from them (load_results, ...)
     schedules   compare_schedules: per-turn hit rates of each schedule on a live GRPORun
                 (held_out_seeds: the env seeds it plays, away from training's)
+    checks      check_rows: value checks on a run's history rows (the GPU smoke's gate)
     __main__    the command line
 
 What it does not do: plot (plots.plot_engine_comparison, plots.plot_turn_hit_rates), compute hit

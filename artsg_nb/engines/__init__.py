@@ -40,11 +40,19 @@ def get(name: str) -> EngineSpec:
 
 
 def make_client(engine: str, base_url: str, served_model: str, api_key: str | None = None,
-                timeout_s: float = 600.0, **kwargs) -> EngineClient:
-    """The client for a running `engine` server at `base_url` serving `served_model`."""
+                timeout_s: float = 600.0, prompt_warm_up: str = "auto", **kwargs) -> EngineClient:
+    """The client for a running `engine` server at `base_url` serving `served_model`;
+    `prompt_warm_up` ("auto", "always", "never"): see ServerConfig.prompt_warm_up."""
+    if prompt_warm_up not in PROMPT_WARM_UPS:
+        raise ValueError(f"prompt_warm_up={prompt_warm_up!r}: expected one of {', '.join(PROMPT_WARM_UPS)}")
     spec = get(engine)
     client = spec.client_class(base_url, served_model, api_key=api_key, timeout_s=timeout_s, **kwargs)
     client.engine = spec.name  # the CPU engine speaks SGLang's dialect under its own name
     client.lora_n_problem = spec.lora_n_problem
     client.warm_up_from_flop = spec.warm_up_from_flop
+    client.prompt_warm_up = prompt_warm_up
     return client
+
+
+PROMPT_WARM_UPS = ("auto", "always", "never")
+"""Values of ServerConfig.prompt_warm_up / RunConfig.prompt_warm_up."""

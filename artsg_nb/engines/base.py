@@ -143,6 +143,11 @@ class Generation:
     """Seconds from sending the request to its complete response (client side)."""
     ttft_s: float | None = None
     """Seconds to the first output token; only measured when streamed (on_first_token)."""
+    cached_first: bool | None = None
+    """How this sample of an n > 1 request was submitted: True when its prompt was in the prefix
+    cache before the sample was prefilled (a warm-up request first, or the engine's own
+    prefill-only copy), False when the n copies were prefilled together on purpose (nothing to
+    reuse); None for a plain n = 1 request, whose reuse depends on what was sent before it."""
 
 
 def normalise_finish_reason(raw: Any) -> str:

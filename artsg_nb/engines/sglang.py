@@ -168,13 +168,17 @@ class SGLangClient(EngineClient):
             return await self._generate_balanced(input_ids, params, adapter)
         body = await self._post_generate(self._generate_payload(input_ids, params, adapter))
         # One prompt with n > 1 comes back as a list of n objects, n == 1 as one object.
+        # Native n leaves `cached_first` None: when the engine's own prefill-only copy is computed
+        # before the n samples (SGLang) or beside them (the CPU engine prefills them in order) is
+        # the engine's business, so what the cache can serve them is only bounded.
         return [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
 
     async def _generate_balanced(self, input_ids, params, adapter) -> list[Generation]:
         """n samples as a warm-up (n = 1, no new tokens; only where it pays: `warm_up_pays`) then n
         single samples (see the class), which the batcher sends together with the other groups' of
-        this tick."""
-        if self.warm_up_pays(len(input_ids), params.n):
+        this tick. Each sample's `cached_first` says which of the two it was."""
+        warm = self.warm_up_pays(len(input_ids), params.n)
+        if warm:
             warm_up = self._generate_payload(input_ids, replace(params, n=1, max_new_tokens=0, seed=None), adapter)
             await self._post_one({**warm_up, "return_logprob": False})
         seeds = [None if params.seed is None else params.seed + j for j in range(params.n)]
@@ -186,17 +190,26 @@ class SGLangClient(EngineClient):
             bodies = await asyncio.gather(*(self._post_generate(p) for p in singles))
         else:  # batch_requests off: this group's samples still go as one request
             bodies = await self._post_generate(batch_payload(singles))
-        return [self._parse_sample(obj) for obj in bodies]
+        gens = [self._parse_sample(obj) for obj in bodies]
+        for gen in gens:
+            gen.cached_first = warm
+        return gens
 
     warm_up_from_flop = 0.0
     """Set from the engine's spec (EngineSpec.warm_up_from_flop) by engines.make_client."""
+    prompt_warm_up = "auto"
+    """When the n copies of a prompt go after a warm-up that caches it (ServerConfig.prompt_warm_up):
+    "auto" (`warm_up_pays`), "always" or "never"."""
     _weight_bytes: object = _UNKNOWN
 
     def warm_up_pays(self, prompt_tokens: int, n: int) -> bool:
-        """Whether n copies of a `prompt_tokens` prompt go after a warm-up that caches it: when
-        the prefill they would redo reaches `warm_up_from_flop`, or the model's size is unknown. A
-        bf16 weight is 2 bytes and 2 FLOPs per token, so the weights' bytes count the FLOPs per
-        prompt token (fp32 weights count double: more warm-ups, never fewer)."""
+        """Whether n copies of a `prompt_tokens` prompt go after a warm-up that caches it: always
+        or never when `prompt_warm_up` says so; on "auto" when the prefill they would redo reaches
+        `warm_up_from_flop`, or the model's size is unknown. A bf16 weight is 2 bytes and 2 FLOPs
+        per token, so the weights' bytes count the FLOPs per prompt token (fp32 weights count
+        double: more warm-ups, never fewer)."""
+        if self.prompt_warm_up != "auto":
+            return self.prompt_warm_up == "always"
         if not self.warm_up_from_flop:
             return True
         if self._weight_bytes is _UNKNOWN:

@@ -114,14 +114,16 @@ def _finite_reward(reward) -> float:
     return value
 
 
-def _append_model_turn(ctx: _Ctx, traj: Trajectory, gen, max_new: int) -> None:
+def _append_model_turn(ctx: _Ctx, traj: Trajectory, gen, max_new: int, reuse: "_Reuse") -> None:
     traj.token_ids += gen.output_ids
     traj.completion_mask += [1] * len(gen.output_ids)
     traj.logprobs += list(gen.logprobs)
     traj.messages.append({"role": "assistant", "content": gen.text})
     traj.prompt_tokens += gen.prompt_tokens
     traj.cached_tokens += gen.cached_tokens
-    traj.turn_stats.append({"prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens})
+    traj.turn_stats.append({"prompt_tokens": gen.prompt_tokens, "cached_tokens": gen.cached_tokens,
+                            "reusable_tokens": min(reuse.tokens, max(gen.prompt_tokens - 1, 0)),
+                            "submission": reuse.submission, "exact": reuse.exact})
     traj.finish_reasons.append(gen.finish_reason)
     traj.turns += 1
     if gen.finish_reason == "length" and max_new < ctx.params.max_new_tokens:
@@ -149,12 +151,16 @@ def _cut(ctx: _Ctx, traj: Trajectory) -> None:
 
 
 async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_new: int,
-                index: int) -> Trajectory:
+                index: int, first_reuse: Callable[[Any], "_Reuse"]) -> Trajectory:
     """Play one episode from its (scheduled) first generation; errors end up in `traj.error`."""
     try:
         gen, max_new = await first, first_max_new
+        reuse = first_reuse(gen)
         while True:
-            _append_model_turn(ctx, traj, gen, max_new)
+            _append_model_turn(ctx, traj, gen, max_new, reuse)
+            # The server caches this turn's prompt and reply (all but the last sampled token,
+            # whose KV it never computed): the next turn's prompt can reuse them.
+            reuse = _Reuse(len(traj.token_ids) - 1, "own history")
             result = await _maybe_await(env.step(gen.text))
             if result.done:
                 if not ctx.group_scored:  # else _score_group pays the reward once the group is done
@@ -172,6 +178,39 @@ async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_ne
         traj.error = f"{type(exc).__name__}: {exc}"
         log.debug("rollout seed=%d failed", traj.seed, exc_info=True)
         return traj
+
+
+# ---------------------------------------------------------------------------- reusable prompt tokens
+
+@dataclass(frozen=True)
+class _Reuse:
+    """What the prefix cache can serve of one request's prompt, by how it was submitted
+    (serving.metrics.reachable_hit_rate sums these): `tokens` (at most the prompt less its last
+    token, which engines always recompute for its logits), `submission` (how), and `exact`:
+    False where the order the server sees is not ours to know (every request at once), so
+    `tokens` is the most the cache could serve, not what it can."""
+
+    tokens: int
+    submission: str
+    exact: bool = True
+
+
+def _first_reuse(schedule: str, index: int, prompt_len: int, shared_prompt: bool) -> Callable[[Any], _Reuse]:
+    """How much of a group member's turn-1 prompt the cache can serve, given its Generation:
+    the group's prompt is computed by a leader, a warm-up, or the engine's own prefill copy
+    before the others read it (`Generation.cached_first`); copies prefilled together read nothing."""
+    whole = max(prompt_len - 1, 0)
+    if not shared_prompt:
+        return lambda gen: _Reuse(0, "own prompt")
+    if schedule == "naive":
+        return lambda gen: _Reuse(whole if index else 0, "unordered", exact=False)
+    if schedule == "n":
+        def by_engine(gen) -> _Reuse:
+            if gen.cached_first is None:  # an engine that says nothing of how it ran n samples
+                return _Reuse(whole if index else 0, "engine n", exact=False)
+            return _Reuse(whole, "warm-up first") if gen.cached_first else _Reuse(0, "prefilled together")
+        return by_engine
+    return lambda gen: _Reuse(whole, "after leader") if index else _Reuse(0, "leader")
 
 
 # ---------------------------------------------------------------------------- turn-1 schedules
@@ -279,7 +318,8 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
     firsts, shared = _first_turns(ctx, schedule, prompts[0], max_new, size, release, seed)
 
     async def play(env, traj, first, index):
-        out = await _play(ctx, env, traj, first, max_new, index)
+        reuse = _first_reuse(schedule, index, len(prompts[index]), prompts[index] == prompts[0] and size > 1)
+        out = await _play(ctx, env, traj, first, max_new, index, reuse)
         done()
         return out
 

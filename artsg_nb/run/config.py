@@ -65,6 +65,10 @@ class RunConfig:
     """Rollout submission (see rollout.py): "auto" (`resolve_schedule`: "n" for single-turn tasks,
     "prefix" for multi-turn), "prefix" (group leader first), "naive", "n", ... Every schedule
     draws the same samples (rollout.py, "Seeds"), so it may change on resume."""
+    prompt_warm_up: str = "auto"
+    """Whether each group's prompt is cached by a warm-up request before its G copies are sampled
+    (SGLang under an adapter; ServerConfig.prompt_warm_up): "auto" where it pays for itself, "always"
+    (the hit rate shows every copy reading the prompt from the cache), "never"."""
     concurrency: int = 64
     """Requests in flight at once."""
     max_seq_tokens: int = 2048
@@ -163,7 +167,7 @@ class RunConfig:
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
 _OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s", "verify_adapter", "verify_every", "concurrency",
-                          "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule",
+                          "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule", "prompt_warm_up",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to",
                           "micro_batch_tokens"})
 """Fields that change how a run is operated, not what it computes: a resumed run may change them

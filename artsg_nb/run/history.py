@@ -22,7 +22,7 @@ import pandas as pd
 
 from ..files import write_atomic
 from ..rollout.trajectory import is_valid
-from ..serving.metrics import theoretical_hit_rate
+from ..serving.metrics import reachable_hit_rate, theoretical_hit_rate
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ HISTORY_FILE = "history.jsonl"
 COLUMNS: tuple[str, ...] = (
     "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
     "is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_raw_ratio_mean", "is_raw_ratio_min", "is_raw_ratio_max", "tokens", "completion_tokens",
-    "rollout_s", "train_s", "reload_s", "hit_rate", "theoretical_hit_rate", "zero_adv_groups", "failed_rollouts",
+    "rollout_s", "train_s", "reload_s", "hit_rate", "hit_rate_reachable", "hit_rate_shared", "hit_rate_path",
+    "theoretical_hit_rate", "zero_adv_groups", "failed_rollouts",
     "reward_errors", "truncated", "release_s", "resume_s", "eval_reward", "eval_pass_at_k",
 )
 # is_ratio_*: the importance-sampling weight the loss applied (grpo.policy_loss's names: after
@@ -43,7 +44,10 @@ COLUMNS: tuple[str, ...] = (
 # again after; None (NaN in .df) when the run does not release (RunConfig.release_memory).
 # eval_reward / eval_pass_at_k: the held-out evaluation after this step (evaluate.py); None on
 # steps without one (RunConfig.eval_every).
-TEXT_COLUMNS = frozenset({"adapter"})
+# hit_rate: the share of the step's prompt tokens the server served from its prefix cache (its own
+# sampling requests); hit_rate_reachable: what the submission path it took can reach, hit_rate_path
+# that path, hit_rate_shared what the cache could serve on top across groups (serving/metrics.py).
+TEXT_COLUMNS = frozenset({"adapter", "hit_rate_path"})
 
 
 class History:
@@ -111,6 +115,11 @@ class History:
         return df
 
     @property
+    def rows(self) -> list[dict]:
+        """The rows so far, oldest first (a new list; the rows themselves are not copied)."""
+        return list(self._rows)
+
+    @property
     def last(self) -> dict | None:
         """The most recent row, or None before the first step."""
         return dict(self._rows[-1]) if self._rows else None
@@ -135,7 +144,7 @@ class History:
         if _present(row.get("loss")):
             parts.append(f"loss {row['loss']:.3g}")
         if _present(row.get("hit_rate")):
-            parts.append(f"hit {row['hit_rate']:.2f}")
+            parts.append(f"hit {row['hit_rate']:.2f}" + _reachable_note(row))
         for key in ("rollout_s", "release_s", "train_s", "resume_s", "reload_s"):
             if _present(row.get(key)):
                 parts.append(f"{key[:-2]} {_format_seconds(row[key])}")
@@ -200,6 +209,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _reachable_note(row: dict[str, Any]) -> str:
+    """" of 0.88 reachable (warm-up first)" beside a step's hit rate: what its path can reach."""
+    reachable, path = row.get("hit_rate_reachable"), row.get("hit_rate_path")
+    if not _present(reachable):
+        return ""
+    return f" of {reachable:.2f} reachable" + (f" ({path})" if path else "")
+
+
 def _present(value: Any) -> bool:
     return isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value))
 
@@ -237,7 +254,15 @@ class StepRow:
     train_s: float | None
     reload_s: float | None
     hit_rate: float | None
+    """Share of the step's prompt tokens served from the prefix cache (serving/metrics.py)."""
+    hit_rate_reachable: float | None
+    """What the step's submission path can reach (metrics.reachable_hit_rate)."""
+    hit_rate_shared: float | None
+    """What the cache could serve on top of that, across groups (a shared template or prefix)."""
+    hit_rate_path: str | None
+    """How the step's prompts were submitted ("warm-up first", "prefilled together", ...)."""
     theoretical_hit_rate: float | None
+    """The older within-batch bound: every copy after the first of an identical prompt."""
     release_s: float | None
     resume_s: float | None
     zero_adv_groups: int | None
@@ -272,6 +297,7 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: fl
     std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
     rollout_s, train_s, reload_s = times_s
     release_s, resume_s = memory_s
+    reach = reachable_hit_rate(groups)
     m = metrics.get
     return StepRow(
         step=step, adapter=adapter, reward_mean=mean, reward_std=std,
@@ -281,6 +307,8 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: fl
         is_raw_ratio_max=m("is_raw_ratio_max"), grad_norm=m("grad_norm"),
         tokens=m("tokens"), completion_tokens=m("completion_tokens"),
         rollout_s=rollout_s, train_s=train_s, reload_s=reload_s, hit_rate=hit_rate,
+        hit_rate_reachable=reach.rate, hit_rate_shared=reach.shared if reach.rate is not None else None,
+        hit_rate_path=reach.path if reach.rate is not None else None,
         theoretical_hit_rate=theoretical_hit_rate(groups), release_s=release_s, resume_s=resume_s,
         zero_adv_groups=m("zero_adv_groups"), groups=len(groups), update_skipped=bool(m("update_skipped")),
         failed_rollouts=sum(t.error is not None for t in trajs), samples=len(trajs),

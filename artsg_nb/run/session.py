@@ -204,7 +204,7 @@ class GRPORun:
         if self._dashboard is not None:
             self._dashboard.stop(reason="replaced by a new dashboard")
         self._dashboard = Dashboard(self.plan, self.server, self.tracker, refresh_s=refresh_s,
-                                    adapter_fn=lambda: self.adapter)
+                                    adapter_fn=lambda: self.adapter, rows_fn=lambda: self.history.rows)
         return self._dashboard.show()
 
     def plot(self, theoretical_hit_rate: float | None = None):
@@ -441,6 +441,7 @@ class GRPORun:
         scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
                             max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
                             api_key=cfg.api_key, extra_args=cfg.server_args, admin_timeout_s=cfg.admin_timeout_s,
+                            prompt_warm_up=cfg.prompt_warm_up,
                             enable_memory_saver=self.release, enable_weights_cpu_backup=self.release and backup)
         return start_inference(scfg, self.plan, self.run_dir)  # N servers behind a router when the plan has N
 

@@ -190,7 +190,7 @@ class Fleet:
             return self.servers[0].client()
         cfg = self.config
         front = engines.make_client(cfg.engine, self.url, cfg.model_path, api_key=self.api_key,
-                                    admin_timeout_s=cfg.admin_timeout_s)
+                                    admin_timeout_s=cfg.admin_timeout_s, prompt_warm_up=cfg.prompt_warm_up)
         workers = [s.client() for s in self.servers]
         front.info_source = workers[0]  # which engine serves the router's requests (sglang.lora_n_problem)
         return FleetClient(self, front, workers)

@@ -15,9 +15,27 @@ counts the server sent with each answer (trajectory.rollout_stats).
 
 The counter names are each engine's (engines.get(name).prompt_counters / cached_counters).
 
-`theoretical_hit_rate(groups)` is what a perfect cache would reuse in a batch of trajectories
-(overall, or per model turn); `turn_hit_rates(groups)` tabulates the server's per-turn prompt and
-cached token counts next to it (the table notebook 02 shows).
+One definition of a step's hit rate, on every engine, schedule and fleet: the share of the step's
+prompt tokens the server served from its prefix cache, from the step's own sampling requests (the
+`cached_tokens` each answer reports over the prompt tokens it processed; warm-up requests that
+only cache a prompt are not samples and are not counted). Beside it, `reachable_hit_rate(groups)`:
+
+* `rate`, what the submission path the step took can reach: each group's prompt is computed once
+  and read by every copy sent after it (a warm-up request, a leader, the engine's own prefill
+  copy for native n); copies prefilled together on purpose read nothing (0, and the path says
+  so); a later turn reads its own episode's history. Engines recompute a prompt's last token, so
+  a copy reads at most its prompt less one token.
+* `shared`, apart from it: what the cache could also serve across groups (the chat template, a
+  system prompt or few-shot prefix that different prompts begin with), which depends on the
+  order in which the server happens to see them. A measured rate lies within
+  [rate, rate + shared] up to the engine's noise; where `exact` is False (every request sent at
+  once) `rate` is only the most it could reach.
+
+Across steps nothing is shared: the cache is keyed by the adapter, a new one every step.
+
+`theoretical_hit_rate(groups)` is the older within-batch bound (every copy after the first of an
+identical prompt, whatever the path); `turn_hit_rates(groups)` tabulates the server's per-turn
+prompt and cached token counts next to it (the table notebook 02 shows).
 
 What it does not do: scrape (EngineClient.metrics_text does) or use the `sglang:cache_hit_rate` gauge:
 that gauge covers only the most recent prefill batch, so it is never a cumulative or windowed
@@ -211,6 +229,81 @@ def theoretical_hit_rate(groups: Sequence, by_turn: bool = False) -> float | Non
         return {turn: reusable[turn] / prompt[turn] for turn in prompt if prompt[turn]}
     total = sum(prompt.values())
     return sum(reusable.values()) / total if total else None
+
+
+@dataclass(frozen=True)
+class ReachableHitRate:
+    """What a step's submission path lets the prefix cache serve (see the module docstring)."""
+
+    rate: float | None
+    """Reusable / prompt tokens of the step's requests, by how each was submitted; None: no prompt."""
+    path: str
+    """How the turn-1 copies went ("warm-up first", "prefilled together", "leader first",
+    "engine n", "unordered"), "+ own history" where later turns read their episode's history."""
+    shared: float
+    """The share of prompt tokens the cache could serve on top of `rate`, across groups."""
+    exact: bool
+    """False where `rate` is only an upper bound (requests sent all at once)."""
+
+    @property
+    def note(self) -> str:
+        """One line for the step line and the panel: why the rate is what it is."""
+        if self.path.startswith("prefilled together"):
+            return ("copies prefilled together (faster than caching the prompt first at this model size "
+                    "and prompt length): nothing to reuse; RunConfig(prompt_warm_up='always') caches it first")
+        if not self.exact:
+            return f"{self.path}: the most the cache could serve, in whatever order the server took them"
+        return f"{self.path}: each group's prompt is computed once and read from the cache by the others"
+
+
+_FIRST_TURN_PATHS = {"warm-up first": "warm-up first", "prefilled together": "prefilled together",
+                     "leader": "leader first", "after leader": "leader first", "engine n": "engine n",
+                     "unordered": "unordered", "own prompt": None}
+
+
+def reachable_hit_rate(groups: Sequence) -> ReachableHitRate:
+    """The hit rate the step's submission path can reach, from the `reusable_tokens` each request
+    recorded (rollout.groups), the path's name, and the cross-group share beside it."""
+    prompt = reusable = shared = 0
+    paths: dict[str, int] = {}
+    exact, later_turns = True, False
+    openings: list[tuple[int, ...]] = []  # turn-1 prompts of earlier groups, for the shared share
+    for group in groups:
+        group_openings = []
+        for traj in group.trajectories:
+            for turn, stats in enumerate(traj.turn_stats, start=1):
+                if "reusable_tokens" not in stats:
+                    continue
+                prompt += stats["prompt_tokens"]
+                reusable += stats["reusable_tokens"]
+                exact &= bool(stats.get("exact", True))
+                if turn > 1:
+                    later_turns = True
+                    continue
+                path = _FIRST_TURN_PATHS.get(stats["submission"], stats["submission"])
+                if path is not None:
+                    paths[path] = paths.get(path, 0) + 1
+                opening = tuple(traj.token_ids[:traj.prompt_len])
+                group_openings.append(opening)
+                beyond = _longest_common_prefix(opening, openings) - stats["reusable_tokens"]
+                shared += min(max(beyond, 0), max(stats["prompt_tokens"] - 1, 0) - stats["reusable_tokens"])
+        openings += list(dict.fromkeys(group_openings))
+    path = ", ".join(sorted(paths, key=paths.get, reverse=True)) or "no shared prompts"
+    path += " + own history" if later_turns else ""
+    return ReachableHitRate(rate=reusable / prompt if prompt else None, path=path,
+                            shared=shared / prompt if prompt else 0.0, exact=exact)
+
+
+def _longest_common_prefix(ids: tuple[int, ...], others: list[tuple[int, ...]]) -> int:
+    best = 0
+    for other in others:
+        n = 0
+        for a, b in zip(ids, other):
+            if a != b:
+                break
+            n += 1
+        best = max(best, n)
+    return best
 
 
 def turn_hit_rates(groups: Sequence) -> pd.DataFrame:

@@ -45,7 +45,7 @@ from . import gpus, procs
 from ..engines import EngineClient
 from .procs import reap_orphans  # noqa: F401  (public here too)
 from .server_config import (TARGET_MODULES, ModelPathError, ServerConfig, ServerError, ignored_options,
-                            server_url, build_command, build_env, check_model_path, config_hash,
+                            server_url, build_command, build_env, check_model_path, config_hash, CLIENT_OPTIONS,
                             resolve_api_key, with_env_args)
 from .server_env import ServerEnv, find_server_env
 
@@ -194,7 +194,8 @@ class Server:
     def client(self) -> EngineClient:
         """An async client for this engine (engines.make_client)."""
         return engines.make_client(self.config.engine, self.url, self.config.model_path, api_key=self.api_key,
-                                   admin_timeout_s=self.config.admin_timeout_s)
+                                   admin_timeout_s=self.config.admin_timeout_s,
+                                   prompt_warm_up=self.config.prompt_warm_up)
 
     def log_tail(self, n: int = 20) -> str:
         """The last `n` lines this start wrote to the log."""
@@ -372,6 +373,7 @@ def start_server(cfg: ServerConfig | None = None, **overrides) -> Server:
     old = _REGISTRY.get(key)
     if old is not None and old.alive() and old.config_hash == config_hash(cfg):
         log.info("reusing %s server pid %d on %s", cfg.engine, old.pid, old.url)
+        old.config = replace(old.config, **{name: getattr(cfg, name) for name in CLIENT_OPTIONS})
         return old
     if old is not None:
         log.info("config changed for %s; stopping the old %s server", key[0], cfg.engine)

@@ -87,6 +87,14 @@ class ServerConfig:
     """SGLang --schedule-policy (e.g. "lpm", "fcfs"); None: SGLang's default."""
     disable_radix_cache: bool = False
     """Turn prefix caching off (SGLang/CPU --disable-radix-cache, vLLM --no-enable-prefix-caching)."""
+    prompt_warm_up: str = "auto"
+    """How the client sends the n copies of a group's prompt where SGLang's native n > 1 is unsafe
+    under an adapter (sglang#36894): "always" after a warm-up request that caches the prompt (every
+    copy reads it from the cache: the hit rate shows it), "never" prefilled together (nothing to
+    reuse: hit rate 0), "auto" after a warm-up only where the prefill it saves costs more than its
+    round trip (engines.sglang.WARM_UP_FROM_FLOP: a 1.5B model's prompts of 50+ tokens, any 7B
+    prompt; never for the tiny model or SmolLM2's short prompts). A client option: the server is
+    the same either way."""
     extra_args: tuple[str, ...] = ()
     """Appended to the command line, e.g. ("--attention-backend", "triton") for the GPU bundle."""
     env: Mapping[str, str] = field(default_factory=dict)
@@ -188,9 +196,15 @@ def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None,
     return env
 
 
+CLIENT_OPTIONS = ("startup_timeout_s", "admin_timeout_s", "prompt_warm_up")
+"""ServerConfig fields that only the kernel side reads: a live server started with other values
+serves a config that differs only in these (start_server hands it back with the new values)."""
+
+
 def config_hash(cfg: ServerConfig) -> str:
-    """Hash of what shapes the running server (not the start-up timeout, not GPU memory readings)."""
-    d = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("startup_timeout_s", "admin_timeout_s", "gpu_plan")}
+    """Hash of what shapes the running server (not the start-up timeout, not GPU memory readings,
+    not the client's options)."""
+    d = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in CLIENT_OPTIONS + ("gpu_plan",)}
     d["run_dir"] = str(Path(cfg.run_dir).resolve())
     plan = cfg.gpu_plan
     d["gpu_plan"] = None if plan is None else [plan.server_env(), getattr(plan, "server_mem_fraction", None)]

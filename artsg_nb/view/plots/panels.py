@@ -94,23 +94,32 @@ def plot_is_ratio(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
 
 
 def plot_hit_rate(df: pd.DataFrame, ax: Axes | None = None, theoretical: float | None = None) -> Axes:
-    """Prefix-cache hit rate of each step (bars, labelled), the theoretical maximum dashed: each
-    step's own (history's theoretical_hit_rate) as a tick over its bar, or `theoretical` as a line.
+    """Prefix-cache hit rate of each step (bars, labelled) beside what its submission path can reach
+    (history's hit_rate_reachable, a black tick over each bar; a grey one above it where the cache
+    could also share a prefix across groups, hit_rate_shared), and why, when the path reaches
+    nothing (copies prefilled together). Histories written before those columns fall back to
+    theoretical_hit_rate; `theoretical` draws one value as a line instead.
 
     Each step serves a new adapter, and the cache is keyed by adapter, so the rate is per step.
     """
     ax = axes_for(ax, "prefix-cache hit rate per step", "hit rate")
     step, rate = column(df, "hit_rate")
-    _, best = column(df, "theoretical_hit_rate")
-    if theoretical is None and has_data(best):
-        ok = np.isfinite(best)
-        ax.hlines(best[ok], step[ok] - 0.3, step[ok] + 0.3, colors="black", linestyles="--", linewidth=1,
-                  label="theoretical", zorder=3)
+    _, reach = column(df, "hit_rate_reachable")
+    label = "reachable"
+    if not has_data(reach):
+        _, reach = column(df, "theoretical_hit_rate")
+        label = "theoretical"
+    if theoretical is None and has_data(reach):
+        ok = np.isfinite(reach)
+        ax.hlines(reach[ok], step[ok] - 0.3, step[ok] + 0.3, colors="black", linestyles="--", linewidth=1,
+                  label=label, zorder=3)
+        _draw_shared(df, ax, step, reach)
         ax.legend(loc="lower right", fontsize="x-small")
     elif theoretical is not None and np.isfinite(theoretical):
         ax.axhline(theoretical, color="black", linestyle="--", linewidth=1,
                    label=f"theoretical {theoretical:.2f}")
         ax.legend(loc="lower right", fontsize="x-small")
+    _explain_path(df, ax)
     if not has_data(rate):
         return no_data(ax)
     ok = np.isfinite(rate)
@@ -125,6 +134,34 @@ def plot_hit_rate(df: pd.DataFrame, ax: Axes | None = None, theoretical: float |
         ax.legend(loc="lower right", fontsize="x-small")
     ax.set_ylim(0, 1.12)
     return ax
+
+
+SHARED_TICK_FROM = 0.01
+"""A cross-group share (hit_rate_shared) below this is not drawn."""
+
+
+def _draw_shared(df: pd.DataFrame, ax: Axes, step: np.ndarray, reach: np.ndarray) -> None:
+    _, shared = column(df, "hit_rate_shared")
+    if not has_data(shared):
+        return
+    top = reach + np.nan_to_num(shared)
+    ok = np.isfinite(top) & (np.nan_to_num(shared) >= SHARED_TICK_FROM)
+    if ok.any():
+        ax.hlines(top[ok], step[ok] - 0.3, step[ok] + 0.3, colors="grey", linestyles=":", linewidth=1,
+                  label="+ shared across groups", zorder=3)
+
+
+def _explain_path(df: pd.DataFrame, ax: Axes) -> None:
+    """Say on the panel why the last step's path reaches nothing, when it does."""
+    if "hit_rate_path" not in df or df["hit_rate_path"].dropna().empty:
+        return
+    path = str(df["hit_rate_path"].dropna().iloc[-1])
+    if path.startswith("prefilled together"):
+        ax.text(0.02, 0.97, "copies prefilled together: nothing to reuse\n(faster at this size; "
+                "prompt_warm_up='always' caches first)", transform=ax.transAxes, va="top", fontsize="x-small",
+                color="dimgray")
+    else:
+        ax.text(0.02, 0.97, path, transform=ax.transAxes, va="top", fontsize="x-small", color="dimgray")
 
 
 def plot_reload_time(df: pd.DataFrame, ax: Axes | None = None) -> Axes:

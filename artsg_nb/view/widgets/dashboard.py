@@ -49,6 +49,10 @@ class Dashboard:
     tracker: has `.cumulative()`, `.last_window()`, `.trend(n)` hit rates (or None).
     refresh_s: seconds between background refreshes; None refreshes only on `.refresh()`.
     adapter_fn: returns the adapter name the server is serving now (or None).
+    rows_fn: returns the run's history rows so far (dicts with `hit_rate`, `hit_rate_reachable`,
+        `hit_rate_path`): "last step" and its trend are then the steps' own hit rates, beside what
+        each step's submission path can reach (serving/metrics.py); without it, the tracker's
+        windows between scrapes.
     gpu_reader: returns objects with `.index .name .mem_used_mib .mem_total_mib` (and, when
         known, `.util_pct .power_w .power_limit_w`), read live; defaults to `gpus.list_gpus`
         (nvidia-ml-py); tests pass a fake.
@@ -56,8 +60,10 @@ class Dashboard:
 
     def __init__(self, plan: Any, server: Any = None, tracker: Any = None,
                  refresh_s: float | None = 2.0, adapter_fn: Callable[[], str | None] | None = None,
-                 gpu_reader: Callable[[], Sequence[Any]] = list_gpus):
+                 gpu_reader: Callable[[], Sequence[Any]] = list_gpus,
+                 rows_fn: Callable[[], Sequence[dict]] | None = None):
         self.plan, self.server, self.tracker = plan, server, tracker
+        self.rows_fn = rows_fn
         self.refresh_s = refresh_s
         self.adapter_fn = adapter_fn
         self.gpu_reader = gpu_reader
@@ -170,8 +176,15 @@ class Dashboard:
 
     def _read_tracker(self, snap: Snapshot) -> None:
         snap.hit_cumulative = self.tracker.cumulative()
-        snap.hit_last = self.tracker.last_window()
-        snap.hit_trend = list(self.tracker.trend(TREND_POINTS))
+        rows = [r for r in (self.rows_fn() if self.rows_fn is not None else []) if _number(r.get("hit_rate"))]
+        if not rows:
+            snap.hit_last = self.tracker.last_window()
+            snap.hit_trend = list(self.tracker.trend(TREND_POINTS))
+            return
+        last = rows[-1]
+        snap.hit_last, snap.hit_trend = last["hit_rate"], [r["hit_rate"] for r in rows[-TREND_POINTS:]]
+        snap.hit_reachable = last.get("hit_rate_reachable") if _number(last.get("hit_rate_reachable")) else None
+        snap.hit_path = last.get("hit_rate_path")
 
     def _guard(self, snap: Snapshot, what: str, read: Callable[[], None]) -> None:
         """Run one read; on error log it (traceback once per distinct message) and note it."""
@@ -219,3 +232,7 @@ def _stop_thread(stop_event: threading.Event, thread_box: list) -> None:
     thread = thread_box[0]
     if thread is not None and thread is not threading.current_thread():
         thread.join(STOP_JOIN_TIMEOUT_S)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value == value  # not None, not NaN

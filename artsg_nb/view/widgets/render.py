@@ -69,6 +69,8 @@ class Snapshot:
     adapter: str | None = None
     hit_cumulative: float | None = None
     hit_last: float | None = None
+    hit_reachable: float | None = None  # what the last step's submission path can reach
+    hit_path: str | None = None         # that path ("warm-up first", "prefilled together", ...)
     hit_trend: list[float] = field(default_factory=list)
     has_server: bool = False
     has_tracker: bool = False
@@ -114,8 +116,8 @@ def snapshot_text(snap: Snapshot) -> str:
     if snap.has_tracker:
         low, high = trend_range(snap.hit_trend)
         lines.append(f"prefix-cache hit rate  cumulative {_rate(snap.hit_cumulative)}"
-                     f" · last step {_rate(snap.hit_last)} · trend {sparkline(snap.hit_trend, low, high)}"
-                     f" {_trend_label(snap.hit_trend)}")
+                     f" · last step {_rate(snap.hit_last)}{_reachable_text(snap)}"
+                     f" · trend {sparkline(snap.hit_trend, low, high)} {_trend_label(snap.hit_trend)}")
     lines += [f"! {error}" for error in snap.errors]
     if snap.note:
         lines.append(snap.note)
@@ -225,11 +227,20 @@ def _hit_rate_html(snap: Snapshot) -> str:
         return f'<span class="{css}"{data}>{_rate(rate)}</span>'
 
     low, high = trend_range(snap.hit_trend)
+    reachable = (f' <span class="artsg-hit-rate-reachable" data-value="{snap.hit_reachable:.4f}" '
+                 f'style="color:#666">{_esc(_reachable_text(snap))}</span>') if snap.hit_reachable is not None else ""
     return (f'<div class="artsg-hit-rate-row">prefix-cache hit rate · cumulative '
             f'{value("artsg-hit-rate artsg-hit-rate-cumulative", snap.hit_cumulative)} · '
-            f'last step {value("artsg-hit-rate-last", snap.hit_last)} · trend '
+            f'last step {value("artsg-hit-rate-last", snap.hit_last)}{reachable} · trend '
             f'<span class="artsg-sparkline">{svg_sparkline(snap.hit_trend, low, high, "#17becf")}</span> '
             f'<span style="color:#666">{_esc(_trend_label(snap.hit_trend))}</span></div>')
+
+
+def _reachable_text(snap: Snapshot) -> str:
+    """" of 0.94 reachable (warm-up first)": what the last step's submission path can reach."""
+    if snap.hit_reachable is None:
+        return ""
+    return f" of {snap.hit_reachable:.2f} reachable" + (f" ({snap.hit_path})" if snap.hit_path else "")
 
 
 def _fraction(row: GpuRow) -> float | None:

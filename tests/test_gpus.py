@@ -39,7 +39,7 @@ def test_one_gpu_is_colocated():
     plan = plan_gpus(h200s(1))
     assert (plan.mode, plan.server_gpus, plan.trainer_gpus) == ("colocated", (0,), (0,))
     assert plan.server_mem_fraction == 0.45
-    assert not plan.release_server_memory  # RunConfig.release_memory is off by default too
+    assert not plan.release_server_memory  # GRPORun sets it from RunConfig.release_memory
     assert "released" not in plan.describe()
     assert "released around training" in plan_gpus(h200s(1), release_server_memory=True).describe()
     assert plan.trainer_devices == ["cuda:0"]

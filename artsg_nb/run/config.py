@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Sequence
 
 from ..engines import memory_tags
 from ..engines.base import ADMIN_TIMEOUT_S
 from ..rl.grpo import GRPOConfig
+from ..serving.gpus import GpuInfo, list_gpus
+from ..serving.memory_estimate import ColocatedFit, ModelMemory, colocated_fit
 from ..tasks.registry import NOT_IMPORTABLE, Task, UnknownTaskError, get_task, task_spec
 
 TINY_MODEL_LEARNING_RATE = 3e-3
@@ -101,16 +104,19 @@ class RunConfig:
     `verify_every` steps; 1: after every reload. The check is a round trip plus a trainer forward
     on the critical path of every step it runs in (12 % of a CPU-engine step of the tiny model,
     tools/gpu/step_profile.py); a row without it has probe_mad None."""
-    release_memory: bool | str = False
+    release_memory: bool | str = "if_needed"
     """Give the server's GPU memory back while the trainer runs, and take it again before the
     reload (client.release_memory; the server is started with the memory saver). True, False,
-    or "auto": on when server and trainer share one GPU (colocated plan), off on CPU and on
-    split GPUs. SGLang needs torch_memory_saver in its environment (sglang pins it). Costs
-    release_s + resume_s per step; the prefix cache it flushes is per adapter anyway, so no hits
-    are lost. Off by default: it buys nothing while the trainer fits beside the server; "auto" is
-    the setting to try when the trainer runs short of memory on one GPU. Measured on one H200
-    (GPU memory in use as training starts 72.8 → 8.2 GiB, step times with and without the
-    saver): README "Results" and benchmarks/results/20261203-h200-gpu-tests.md."""
+    "auto" (on when server and trainer share one GPU: colocated plan; off on CPU and on split GPUs),
+    or "if_needed" (the default): on where they share one GPU and the model would not fit it twice
+    beside a KV cache and the trainer's activations (serving.memory_estimate, from the model
+    directory's config.json; a 14B in bf16 on an 80 GB GPU), off otherwise. A model that does not
+    fit even so stops the run before the server starts, with the memory it needs and what to change.
+    SGLang needs torch_memory_saver in its environment (sglang pins it). Costs release_s + resume_s
+    per step; the prefix cache it flushes is per adapter anyway, so no hits are lost; it buys
+    nothing while the trainer fits beside the server. Measured on one H200 (GPU memory in use as
+    training starts 72.8 → 8.2 GiB, step times with and without the saver): README "Results" and
+    benchmarks/results/20261203-h200-gpu-tests.md."""
     release_tags: tuple[str, ...] = ("kv_cache", "cuda_graph")
     """What to release (engines.MEMORY_TAGS). With "weights" the server also keeps a host
     copy of the base weights (--enable-weights-cpu-backup); without one they would be lost."""
@@ -242,20 +248,44 @@ def _is_package_task(name: str) -> bool:
         return False
 
 
-def resolve_release(cfg: RunConfig, mode: str) -> bool:
-    """cfg.release_memory → bool ("auto": only when server and trainer share one GPU)."""
+def resolve_release(cfg: RunConfig, mode: str, gpus: Sequence[GpuInfo] | None = None,
+                    model_dir: str | None = None) -> bool:
+    """cfg.release_memory → bool ("auto": only when server and trainer share one GPU; "if_needed":
+    when they share one and the model does not fit it without). On a shared GPU a model that does
+    not fit as configured raises ModelTooLargeError here, before anything starts. `gpus` default
+    to list_gpus(), `model_dir` to cfg.model_path where that is a directory (a name still to be
+    built or a hub id is not estimated)."""
     memory_tags(cfg.release_tags)  # a typo fails before anything is launched
+    if cfg.release_memory not in (True, False, "auto", "if_needed"):
+        raise ValueError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto' "
+                         "(or 'if_needed', the default: only where the model would not fit without)")
+    fit = _colocated_fit(cfg, gpus, model_dir) if mode == "colocated" else None
     if cfg.release_memory == "auto":
         release = mode == "colocated"
-    elif not isinstance(cfg.release_memory, bool):
-        raise ValueError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto'")
+    elif cfg.release_memory == "if_needed":
+        release = fit is not None and not fit.fits(False)
     else:
         release = cfg.release_memory
+    weights = "weights" in cfg.release_tags
+    if fit is not None and not fit.fits(release, weights):
+        raise fit.error(release, weights, str(cfg.model_path))
     if release and cfg.pipeline:
-        raise ValueError(f"pipeline=True with release_memory={cfg.release_memory!r} (resolved on: {mode} plan): the "
-                         "server cannot give its GPU memory back while it samples the next step's rollouts during the "
-                         "update. Use one of them: release_memory=False to pipeline, or pipeline=False to release.")
+        why = " (the model does not fit the shared GPU without it)" if cfg.release_memory == "if_needed" else ""
+        raise ValueError(f"pipeline=True with release_memory={cfg.release_memory!r}{why} (resolved on: {mode} plan): "
+                         "the server cannot give its GPU memory back while it samples the next step's rollouts during "
+                         "the update. Use one of them: release_memory=False to pipeline, or pipeline=False to release.")
     return release
+
+
+def _colocated_fit(cfg: RunConfig, gpus: Sequence[GpuInfo] | None, model_dir: str | None) -> ColocatedFit | None:
+    """The memory estimate of cfg's model on the one shared GPU; None where it cannot be made (no
+    GPU read, no model directory, several servers sharing the GPU)."""
+    path = model_dir or (cfg.model_path if cfg.model_path and Path(cfg.model_path).is_dir() else None)
+    gpus = list_gpus() if gpus is None and path else gpus
+    model = ModelMemory.from_dir(path, cfg.lora_rank) if path else None
+    if model is None or not gpus or cfg.num_servers > 1:
+        return None
+    return colocated_fit(model, gpus[0], micro_batch_tokens=cfg.micro_batch_tokens)
 
 
 def glue_flag_values(argv: Sequence[str], names: Sequence[str]) -> list[str]:

@@ -50,6 +50,7 @@ def make_client(engine: str, base_url: str, served_model: str, api_key: str | No
     client.engine = spec.name  # the CPU engine speaks SGLang's dialect under its own name
     client.lora_n_problem = spec.lora_n_problem
     client.warm_up_from_flop = spec.warm_up_from_flop
+    client.native_n = spec.native_n
     client.prompt_warm_up = prompt_warm_up
     return client
 

@@ -143,11 +143,18 @@ class Generation:
     """Seconds from sending the request to its complete response (client side)."""
     ttft_s: float | None = None
     """Seconds to the first output token; only measured when streamed (on_first_token)."""
-    cached_first: bool | None = None
-    """How this sample of an n > 1 request was submitted: True when its prompt was in the prefix
-    cache before the sample was prefilled (a warm-up request first, or the engine's own
-    prefill-only copy), False when the n copies were prefilled together on purpose (nothing to
-    reuse); None for a plain n = 1 request, whose reuse depends on what was sent before it."""
+    submission: str | None = None
+    """How this sample of an n > 1 request reached the server, which decides what the prefix
+    cache could serve it: "warm-up first" (its prompt was cached by a prefill-only request before
+    it: a warm-up, or the engine's own for native n), "prefilled together" (the n copies computed in
+    one batch on purpose: nothing to reuse), "first copy" / "after first copy" (the engine
+    prefills the copies one after another: all but the first read the first's prompt); None for a
+    plain n = 1 request, or an engine that does not say (SUBMISSIONS)."""
+
+
+SUBMISSIONS = ("warm-up first", "prefilled together", "first copy", "after first copy")
+"""Values of Generation.submission; "warm-up first" and "after first copy" read the whole prompt
+(less its last token) from the cache, the other two nothing."""
 
 
 def normalise_finish_reason(raw: Any) -> str:

@@ -37,5 +37,6 @@ SPEC = EngineSpec(
     name="cpu", client_class=SGLangClient, entry="artsg_nb.cpu_engine", package="artsg_nb",
     launch_args=launch_args, api_key_env="ARTSG_CPU_ENGINE_API_KEY", auth_probe="/model_info",
     ignored_options=("schedule_policy", "mem_fraction"), startup_timeout_s=120.0, lora_n_problem=lora_n_problem,
+    native_n="in order",  # the scheduler prefills a request's samples one after another
     chat_token_ids=SGLANG.chat_token_ids, raw=SGLANG.raw, metric_prefix=SGLANG.metric_prefix, prompt_counters=SGLANG.prompt_counters,
     cached_counters=SGLANG.cached_counters, progress_counters=SGLANG.progress_counters)

@@ -56,9 +56,13 @@ log = logging.getLogger(__name__)
 
 
 LORA_N_ISSUE = "sgl-project/sglang#36894"
-LORA_N_FIXED_IN: str | None = None
-"""The first SGLang release whose n > 1 requests balance their LoRA references (the fix is PR
-#31808); None: no release does yet (0.5.14, and every release up to 2026-12, is affected)."""
+LORA_N_FIXED_IN: str | None = "0.5.22"
+"""The first SGLang release whose n > 1 requests balance their LoRA references: read in the
+0.5.22 wheel's `tokenizer_manager.py`, where the prefill-only warm-up of `_handle_batch_request`
+borrows the samples' references ("only samples release them") and `_release_lora_once` releases
+each request's at most once; 0.5.21's warm-up still releases a reference it never took. From
+this release on native n is used under an adapter (one request per group, the warm-up inside the
+server); before it, the balanced submission below."""
 
 
 def lora_n_problem(info: dict) -> str | None:
@@ -73,6 +77,19 @@ def lora_n_problem(info: dict) -> str | None:
         return None
     return (f"SGLang {version} miscounts a LoRA adapter's references for requests with n > 1, after which "
             f"unloading that adapter never returns ({LORA_N_ISSUE})")
+
+
+def native_n_submission(native_n: str | None, index: int) -> str | None:
+    """Generation.submission of sample `index` of a native n > 1 request on an engine whose
+    EngineSpec.native_n is `native_n`: "warm-up" (SGLang's tokenizer manager sends a prefill-only
+    copy of the prompt and awaits it before the samples: read in 0.5.14 and 0.5.22,
+    `_handle_batch_request`), "in order" (the CPU engine prefills the samples one after another),
+    None: not known."""
+    if native_n == "warm-up":
+        return "warm-up first"
+    if native_n == "in order":
+        return "after first copy" if index else "first copy"
+    return None
 
 
 WARM_UP_FROM_FLOP = 1e12
@@ -168,15 +185,16 @@ class SGLangClient(EngineClient):
             return await self._generate_balanced(input_ids, params, adapter)
         body = await self._post_generate(self._generate_payload(input_ids, params, adapter))
         # One prompt with n > 1 comes back as a list of n objects, n == 1 as one object.
-        # Native n leaves `cached_first` None: when the engine's own prefill-only copy is computed
-        # before the n samples (SGLang) or beside them (the CPU engine prefills them in order) is
-        # the engine's business, so what the cache can serve them is only bounded.
-        return [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
+        gens = [self._parse_sample(obj) for obj in (body if isinstance(body, list) else [body])]
+        if params.n > 1:
+            for index, gen in enumerate(gens):
+                gen.submission = native_n_submission(self.native_n, index)
+        return gens
 
     async def _generate_balanced(self, input_ids, params, adapter) -> list[Generation]:
         """n samples as a warm-up (n = 1, no new tokens; only where it pays: `warm_up_pays`) then n
         single samples (see the class), which the batcher sends together with the other groups' of
-        this tick. Each sample's `cached_first` says which of the two it was."""
+        this tick. Each sample's `submission` says which of the two it was."""
         warm = self.warm_up_pays(len(input_ids), params.n)
         if warm:
             warm_up = self._generate_payload(input_ids, replace(params, n=1, max_new_tokens=0, seed=None), adapter)
@@ -192,11 +210,13 @@ class SGLangClient(EngineClient):
             bodies = await self._post_generate(batch_payload(singles))
         gens = [self._parse_sample(obj) for obj in bodies]
         for gen in gens:
-            gen.cached_first = warm
+            gen.submission = "warm-up first" if warm else "prefilled together"
         return gens
 
     warm_up_from_flop = 0.0
     """Set from the engine's spec (EngineSpec.warm_up_from_flop) by engines.make_client."""
+    native_n: str | None = None
+    """How the engine runs a native n > 1 request (EngineSpec.native_n, set by engines.make_client)."""
     prompt_warm_up = "auto"
     """When the n copies of a prompt go after a warm-up that caches it (ServerConfig.prompt_warm_up):
     "auto" (`warm_up_pays`), "always" or "never"."""
@@ -480,6 +500,7 @@ SPEC = EngineSpec(
     chat_token_ids=CHAT_TOKEN_IDS, raw=RAW,
     launch_args=launch_args, validate=validate, api_key_env=API_KEY_ENV, launcher=LAUNCHER, lora_n_problem=lora_n_problem,
     auth_probe="/model_info", tp_flag="--tp-size", mem_fraction_of="free", warm_up_from_flop=WARM_UP_FROM_FLOP,
+    native_n="warm-up",
     python_var="ARTSG_SERVER_PYTHON", pythonpath_var="ARTSG_SERVER_PYTHONPATH", env_var="ARTSG_SERVER_ENV",
     conda_env="artsg-server", venv_dir=".venv-server",
     create_commands=("conda env create -f environment-server.yml", "make server-env"),

@@ -102,6 +102,9 @@ class EngineSpec:
     that server, or None. SGLang up to at least 0.5.14 miscounts the adapter's references for such a
     request and its next unload never returns (sglang#36894); its client then sends the same work
     in a shape whose references balance (sglang.SGLangClient)."""
+    native_n: str | None = None
+    """How the engine runs one request with n > 1 samples, which decides what its prefix cache can
+    serve them (engines.sglang.native_n_submission): "warm-up", "in order", or None (unknown)."""
     warm_up_from_flop: float = 0.0
     """For n > 1 under an adapter sent as n copies of the prompt (`lora_n_problem`): the prefill
     work the copies would redo, (n - 1) x prompt tokens x 2 FLOPs per weight, from which the prompt

@@ -198,7 +198,7 @@ class _Reuse:
 def _first_reuse(schedule: str, index: int, prompt_len: int, shared_prompt: bool) -> Callable[[Any], _Reuse]:
     """How much of a group member's turn-1 prompt the cache can serve, given its Generation:
     the group's prompt is computed by a leader, a warm-up, or the engine's own prefill copy
-    before the others read it (`Generation.cached_first`); copies prefilled together read nothing."""
+    before the others read it (`Generation.submission`); copies prefilled together read nothing."""
     whole = max(prompt_len - 1, 0)
     if not shared_prompt:
         return lambda gen: _Reuse(0, "own prompt")
@@ -206,9 +206,10 @@ def _first_reuse(schedule: str, index: int, prompt_len: int, shared_prompt: bool
         return lambda gen: _Reuse(whole if index else 0, "unordered", exact=False)
     if schedule == "n":
         def by_engine(gen) -> _Reuse:
-            if gen.cached_first is None:  # an engine that says nothing of how it ran n samples
+            how = getattr(gen, "submission", None)
+            if how is None:  # an engine that says nothing of how it ran n samples: a bound
                 return _Reuse(whole if index else 0, "engine n", exact=False)
-            return _Reuse(whole, "warm-up first") if gen.cached_first else _Reuse(0, "prefilled together")
+            return _Reuse(whole if how in ("warm-up first", "after first copy") else 0, how)
         return by_engine
     return lambda gen: _Reuse(whole, "after leader") if index else _Reuse(0, "leader")
 

@@ -211,10 +211,11 @@ def _plain(value: Any) -> Any:
 
 def _reachable_note(row: dict[str, Any]) -> str:
     """" of 0.88 reachable (warm-up first)" beside a step's hit rate: what its path can reach."""
-    reachable, path = row.get("hit_rate_reachable"), row.get("hit_rate_path")
+    reachable, path, shared = row.get("hit_rate_reachable"), row.get("hit_rate_path"), row.get("hit_rate_shared")
     if not _present(reachable):
         return ""
-    return f" of {reachable:.2f} reachable" + (f" ({path})" if path else "")
+    across = f" + {shared:.2f} shared" if _present(shared) and shared >= 0.01 else ""
+    return f" of {reachable:.2f} reachable{across}" + (f" ({path})" if path else "")
 
 
 def _present(value: Any) -> bool:

@@ -238,7 +238,7 @@ class ReachableHitRate:
     rate: float | None
     """Reusable / prompt tokens of the step's requests, by how each was submitted; None: no prompt."""
     path: str
-    """How the turn-1 copies went ("warm-up first", "prefilled together", "leader first",
+    """How the turn-1 copies went ("warm-up first", "prefilled together", "leader first", "in order",
     "engine n", "unordered"), "+ own history" where later turns read their episode's history."""
     shared: float
     """The share of prompt tokens the cache could serve on top of `rate`, across groups."""
@@ -258,7 +258,8 @@ class ReachableHitRate:
 
 _FIRST_TURN_PATHS = {"warm-up first": "warm-up first", "prefilled together": "prefilled together",
                      "leader": "leader first", "after leader": "leader first", "engine n": "engine n",
-                     "unordered": "unordered", "own prompt": None}
+                     "unordered": "unordered", "own prompt": None, "first copy": "in order",
+                     "after first copy": "in order"}
 
 
 def reachable_hit_rate(groups: Sequence) -> ReachableHitRate:

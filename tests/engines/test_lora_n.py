@@ -44,10 +44,21 @@ def recording_client(version: str = "0.5.14", engine: str = "sglang", model: str
     return client, bodies
 
 
-def test_every_known_sglang_release_is_affected_and_named():
-    for version in ("0.4.10", "0.5.14", "0.5.23", None):
+def test_releases_before_the_fix_are_affected_and_named():
+    for version in ("0.4.10", "0.5.14", "0.5.21", None):
         problem = lora_n_problem({"version": version} if version else {})
         assert problem and "sglang#36894" in problem
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.23", "0.6.0"])
+def test_releases_with_the_fix_use_native_n_under_an_adapter(version):
+    """0.5.22's warm-up borrows the samples' references (`_release_lora_once`): native n is safe,
+    one request per group, and its samples read the prompt the server's own warm-up cached."""
+    assert lora_n_problem({"version": version}) is None
+    client, bodies = recording_client(version=version)
+    gens = asyncio.run(client.generate([1, 2, 3], SamplingParams(max_new_tokens=5, n=3), adapter="a"))
+    assert len(bodies) == 1 and bodies[0]["sampling_params"]["n"] == 3
+    assert [g.submission for g in gens] == ["warm-up first"] * 3
 
 
 def test_n_under_an_adapter_goes_as_a_warm_up_then_one_balanced_batch():

@@ -33,6 +33,13 @@
 #   memsaver-05b  the same on the 0.5b model ($OUT/memsaver_05b.json)
 #   reload      benchmarks/reload_profile.py on SGLang with SmolLM2 r16: save / checksum / fsync / load /
 #               first request, run_dir on disk vs /dev/shm (issue 17's reload target), $OUT/reload.csv
+#   scale       the loop on RunConfig defaults at real sizes (tools/gpu/scale.py): random-weight Llama-shaped
+#               models built here by `python -m artsg_nb.models random` with SmolLM2's tokenizer (carry .tok, the
+#               tokenizer files of a SmolLM2 build; SCALE_TOKENIZER: another folder), addition_chat 16 x 8.
+#               SCALE_SHAPES (default "7b 14b"): 7b runs legs at SCALE_TOKENS ("256 1024") new tokens and a
+#               3-turn task with 2k-token prompts; 14b (release_memory as the defaults pick it: needs .whl-tms)
+#               one leg at 256. Step parts, GPU memory peak, hit rate vs reachable, probe MAD, value checks:
+#               $OUT/scale-<shape>.json, one PASS/FAIL line per leg. SCALE_STEPS (4), SCALE_LIMIT_S (per shape, 520)
 #   scale-out   GRPO steps with 1 then 2 SGLang servers on this GPU behind sglang-router (0.35 of its
 #               memory each), benchmarks/scale_out_gpu.py: step time, rollout tok/s, hit rate per
 #               worker, $OUT/scale_out.csv (needs sglang-router: .whl-router + .whl-web). The step
@@ -199,6 +206,19 @@ for p in "$@"; do
                  grep -E '^(PASS|FAIL|SKIP) |^memsaver:' "$OUT/$p.log" | cut -c1-400 | sed 's/^/    /' ;;
     reload)      phase reload 300 python3 benchmarks/reload_profile.py --model $SMOL --engine sglang \
                    --dirs /tmp/runs/reload /dev/shm/artsg-reload --out "$OUT/reload.csv" ;;
+    scale)       for shape in ${SCALE_SHAPES:-7b 14b}; do
+                   M=/tmp/models/random-$shape; t0=$SECONDS
+                   [[ -f $M/.complete ]] || python3 -m artsg_nb.models random --shape $shape $M \
+                     --tokenizer "${SCALE_TOKENIZER:-$PWD/.tok/smollm2}" >"$OUT/scale-build-$shape.log" 2>&1 \
+                     || { echo "FAIL scale build $shape"; tail -5 "$OUT/scale-build-$shape.log"; FAILS=$((FAILS + 1)); continue; }
+                   echo "built $M in $((SECONDS - t0)) s"
+                   EXTRA=(--tokens ${SCALE_TOKENS:-256 1024} --multi-turn); [[ $shape == 14b ]] && EXTRA=(--tokens 256)
+                   timeout "${SCALE_LIMIT_S:-520}" python3 tools/gpu/scale.py --model $M "${EXTRA[@]}" --steps ${SCALE_STEPS:-4} \
+                     --limit-s $(( ${SCALE_LIMIT_S:-520} - 40 )) --run-dir /tmp/runs/scale-$shape --out "$OUT/scale-$shape.json" \
+                     >"$OUT/scale-$shape.log" 2>&1; rc=$?
+                   grep -E '^(PASS|FAIL) scale|started in|Error' "$OUT/scale-$shape.log" | cut -c1-600
+                   [[ $rc == 0 ]] || { FAILS=$((FAILS + 1)); tail -8 "$OUT/scale-$shape.log" | cut -c1-300 | sed 's/^/    /'; }
+                 done ;;
     scale-out)   M=$PWD/artsg_nb/models/shipped/tiny-s0-p800; [[ -f $SMOL/config.json ]] && M=$SMOL
                  phase scale-out 540 python3 benchmarks/scale_out_gpu.py --model "${SCALE_MODEL:-$M}" --task addition_chat \
                    --max-new-tokens ${SCALE_TOKENS:-256} --out "$OUT/scale_out.csv"

@@ -152,32 +152,43 @@ def pipeline_flags(values: pd.Series) -> pd.Series:
     return values.map(lambda v: str(v).strip().lower() == "true")
 
 
+TRL_MODES = ("trl_vllm", "trl")
+"""The TRL rows a ratio is taken against: TRL + vLLM colocated (its fast path), TRL with plain generate."""
+
+
 def step_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """Per hardware (file: `source`, when the frame has it) and job (max_new_tokens), and per
-    `pipeline` setting where the frame has that column: artsg_nb's median step time, TRL's for the
-    same job, and TRL / artsg_nb (the speed-up; > 1 means artsg_nb is faster), with artsg_nb's
+    `pipeline` setting where the frame has that column: artsg_nb's median step time, each TRL
+    mode's for the same job (TRL_MODES present in the frame: `trl_vllm_step_s`, `trl_step_s`) and
+    TRL / artsg_nb (`speedup_vs_trl_vllm`, `speedup_vs_trl`; > 1 means artsg_nb is faster), with artsg_nb's
     `reload_s_median`, `reload_wait_s_median`, `first_train_s` (its first update) and `overlap_median`
     (a pipelined row's median per step of step / max(its update, the rollouts it sampled ahead))
     where the frame has them, and per
-    `job` shape where it has that. Rows of the same key are averaged; empty unless both frameworks
-    are in the frame."""
+    `job` shape where it has that. Rows of the same key are averaged; empty unless artsg_nb and a
+    TRL mode are in the frame."""
     if df.empty or "framework" not in df:
         return pd.DataFrame()
     by = ["max_new_tokens"] if "hardware" not in df or "source" not in df else ["source", "max_new_tokens"]
     if "job" in df:  # rows of different job shapes are never compared; a file from before: ""
         df, by = df.assign(job=df["job"].fillna("").astype(str)), by + ["job"]
-    ours, trl = df[df["framework"] == "artsg_nb"], df[df["framework"] == "trl"]
-    if ours.empty or trl.empty:
+    if "model" in df and df["model"].nunique() > 1:  # several models' jobs in one file
+        df, by = df.assign(model=df["model"].astype(str)), ["model", *by]
+    ours = df[df["framework"] == "artsg_nb"]
+    peers = [fw for fw in TRL_MODES if (df["framework"] == fw).any()]
+    if ours.empty or not peers:
         return pd.DataFrame()
     keys = by + (["pipeline"] if "pipeline" in df else [])
     if "pipeline" in df:
         ours = ours.assign(pipeline=pipeline_flags(ours["pipeline"]))
     extra = [c for c in ("reload_s_median", "reload_wait_s_median", "first_train_s", "overlap_median") if c in df]
-    mine = ours.groupby(keys)[["step_s_median", *extra]].mean().rename(columns={"step_s_median": "artsg_nb_step_s"})
-    theirs = trl.groupby(by)["step_s_median"].mean().rename("trl_step_s")
-    out = mine.join(theirs, on=by)
-    out["speedup_vs_trl"] = out["trl_step_s"] / out["artsg_nb_step_s"]
-    out = out[["artsg_nb_step_s", "trl_step_s", "speedup_vs_trl", *extra]]
+    out = ours.groupby(keys)[["step_s_median", *extra]].mean().rename(columns={"step_s_median": "artsg_nb_step_s"})
+    ratios = []
+    for fw in peers:
+        theirs = df[df["framework"] == fw].groupby(by)["step_s_median"].mean().rename(f"{fw}_step_s")
+        out = out.join(theirs, on=by)
+        out[f"speedup_vs_{fw}"] = out[f"{fw}_step_s"] / out["artsg_nb_step_s"]
+        ratios += [f"{fw}_step_s", f"speedup_vs_{fw}"]
+    out = out[["artsg_nb_step_s", *ratios, *extra]]
     if "job" in by and out.index.get_level_values("job").nunique() == 1:  # one job: no need to name it
         out = out.droplevel("job")
     return out

@@ -1,25 +1,33 @@
-"""Step benchmark: N GRPO steps of one job through artsg_nb and through TRL's GRPOTrainer.
+"""Step benchmark: N GRPO steps of one job through artsg_nb and through TRL's GRPOTrainer, in TRL's
+fast path (vLLM colocated) and with plain generate.
 
     python -m artsg_nb.bench.step --engine sglang --model-path /path/SmolLM2-135M-Instruct \\
-        --max-new-tokens 8 256 --steps 10 --frameworks artsg_nb trl
+        --max-new-tokens 8 256 --steps 10 --frameworks artsg_nb trl_vllm trl
+    python -m artsg_nb.bench.step --engine sglang --jobs smollm2 1.5b 7b:256 --models-dir /tmp/models
 
-The job is the same on both sides: prompts of the task (`--task`, default `addition_chat`: "What is
+The job is the same on every side: prompts of the task (`--task`, default `addition_chat`: "What is
 a + b?", the reply's last number is its answer; chat-templated: artsg_nb renders them itself, TRL
 gets them as conversations), its reward (as a TRL reward function), LoRA r/alpha
 on the 7 projections, `groups` prompts x `group_size` samples per step (TRL: num_generations=G,
 per-device batch = groups x G, one generation batch per optimizer step), the learning rate
 (constant, AdamW), temperature 1.0, the loss (dapo, ε 0.2 / 0.28, scale_rewards "group"), beta 0,
-no gradient checkpointing. TRL generates with plain `model.generate` (use_vllm=False) and is
-timed per step by a TrainerCallback (on_step_begin/end); its rollout time is its `_generate`.
+no gradient checkpointing. TRL runs twice (step_trl.py): `trl_vllm`, its fast path and the mode
+it recommends, GRPOTrainer(use_vllm=True, vllm_mode="colocate") with vLLM in the trainer's process
+at vllm_gpu_memory_utilization 0.35 (0.4 for models of ~2 B params and up), and `trl`, plain
+`model.generate` (use_vllm=False). Each is timed per step by a TrainerCallback (on_step_begin/end);
+its rollout time is its `_generate` less the weight sync into vLLM inside it (its reload).
 artsg_nb runs its steps as a notebook's training cell does, `await GRPORun.run(steps)`, each step
 timed from the row before to its own (rollout_s / train_s / reload_s from the row; a pipelined
 step followed by another serves its version in the next one, beside its update), and
 `GRPORun.start()` is timed too, at RunConfig's defaults except the job's fields (`artsg_run_config`): the
-served-adapter check included, unless `--verify-adapter False`.
+served-adapter check included, unless `--verify-adapter False`. `--jobs` runs issue 48's named
+jobs (step_job.JOBS: SmolLM2 at 8 and 256 new tokens, the random-weight 1.5B and 7B Llama shapes at
+256 and 1024) one after the other into one CSV, their models from `--models-dir`.
 
 A leg is one framework x max_new_tokens, and for artsg_nb also one RunConfig(pipeline=...) value
 (`--pipeline False True`: synchronous and pipelined; TRL has no pipeline and runs once). Legs run
-per job as artsg_nb synchronous, artsg_nb pipelined, TRL, each in its own process (`--leg`):
+per job as artsg_nb synchronous, artsg_nb pipelined, TRL + vLLM, TRL, each in its own process (`--leg`;
+the TRL + vLLM leg with the vLLM bundle's site folder after the kernel's on its PYTHONPATH):
 Unsloth patches transformers on import, and a GPU is given back cleanly when a process ends. This
 module imports nothing of transformers, PEFT or TRL (the TRL leg lives in step_trl.py and is
 imported by its own process only), so the artsg_nb leg's trainer imports Unsloth first, as Unsloth
@@ -29,15 +37,18 @@ written to `benchmarks/results/<date>-step-<hardware>.csv` (`--out`) after every
 CSV is merged into (`--no-merge`: overwritten): the rows of the legs just run replace those of
 the same framework, engine, model, max_new_tokens and pipeline, the others stay, so legs run in
 separate calls (`--frameworks artsg_nb --pipeline True` after `--pipeline False`) end up in one
-file. The CLI prints the table and the artsg_nb / TRL ratios per job and pipeline setting.
+file. The CLI prints the table, the ratios TRL / artsg_nb against each TRL mode per job and
+pipeline setting, and each row's rollout and update as a share of the card's floor (floors.py).
 
 What it does not do: plot (plots.plot_step_benchmark) or compare engines' raw speed (bench.run).
 """
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -56,7 +67,8 @@ from ..rl.grpo import GRPOConfig
 from ..run.config import RunConfig
 from ..run.session import GRPORun
 from .results import pipeline_flags, step_ratios, with_reload_wait
-from .step_job import COLUMNS, FRAMEWORKS, StepBenchConfig, leg_result
+from .floors import floor_shares
+from .step_job import COLUMNS, FRAMEWORKS, JOBS, StepBenchConfig, job_model_dir, leg_result, parse_job
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +130,15 @@ async def artsg_leg(cfg: StepBenchConfig, max_new: int, pipeline: bool = False) 
 # ---------------------------------------------------------------------------- orchestration
 def legs(cfg: StepBenchConfig) -> list[tuple[str, int, bool]]:
     """(framework, max_new_tokens, pipeline) of each leg, in running order: per job artsg_nb
-    synchronous, artsg_nb pipelined, TRL (once, pipeline False)."""
-    frameworks = sorted(set(cfg.frameworks), key=lambda fw: _leg_rank(fw, False))
+    synchronous, artsg_nb pipelined, TRL + vLLM colocated, TRL with plain generate (each TRL mode
+    once, pipeline False). On the CPU engine TRL's fast path is left out: vLLM colocated needs a GPU."""
+    chosen = set(cfg.frameworks)
+    if "trl_vllm" in chosen and (cfg.engine == "cpu" or not vllm_installed(cfg)):
+        log.warning("leaving out TRL's fast path (trl_vllm): %s", "vLLM colocated needs a GPU (engine cpu)"
+                    if cfg.engine == "cpu" else "vllm is not importable here nor in --vllm-pythonpath / "
+                    "$ARTSG_VLLM_PYTHONPATH (on the GPU host: carry the .vllm-bundle parts, tools/gpu/install.sh)")
+        chosen.discard("trl_vllm")
+    frameworks = sorted(chosen, key=lambda fw: _leg_rank(fw, False))
     return [(fw, m, pipe) for m in dict.fromkeys(cfg.max_new_tokens) for fw in frameworks
             for pipe in (sorted(set(cfg.pipeline)) if fw == "artsg_nb" else [False])]
 
@@ -146,10 +165,10 @@ def run_leg(cfg: StepBenchConfig, framework: str, max_new: int, pipeline: bool =
     """One leg in this process."""
     if framework == "artsg_nb":
         return asyncio.run(artsg_leg(cfg, max_new, pipeline))
-    if framework == "trl":
+    if framework in ("trl", "trl_vllm"):
         from .step_trl import trl_leg  # here, not above: the artsg_nb leg must import Unsloth before TRL does
 
-        return trl_leg(cfg, max_new)
+        return trl_leg(cfg, max_new, vllm=framework == "trl_vllm")
     raise ValueError(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
 
 
@@ -159,11 +178,43 @@ def _leg_in_subprocess(cfg: StepBenchConfig, framework: str, max_new: int, pipel
         cfg_path, out_path = Path(tmp) / "cfg.json", Path(tmp) / "row.json"
         cfg_path.write_text(json.dumps(asdict(cfg)))
         cmd = [sys.executable, "-m", "artsg_nb.bench.step", "--leg", name, str(cfg_path), str(out_path)]
-        proc = subprocess.run(cmd)
+        proc = subprocess.run(cmd, env=leg_env(cfg, framework))
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"step benchmark leg {name} failed with exit code {proc.returncode}; its output is "
                                f"above. Try: run it alone with `{' '.join(cmd[:5])}` after fixing the cause.")
         return json.loads(out_path.read_text())
+
+
+def leg_env(cfg: StepBenchConfig, framework: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """A leg's process environment: this one's, and for TRL's fast path vLLM's site folder after
+    the kernel's packages on PYTHONPATH (cfg.vllm_pythonpath, else $ARTSG_VLLM_PYTHONPATH)."""
+    env = dict(os.environ if base is None else base)
+    site = cfg.vllm_pythonpath or env.get("ARTSG_VLLM_PYTHONPATH")
+    if framework == "trl_vllm" and site:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site) if p)
+    return env
+
+
+def vllm_installed(cfg: StepBenchConfig) -> bool:
+    """Whether the trl_vllm leg's process can import vllm (found without importing it here)."""
+    site = cfg.vllm_pythonpath or os.environ.get("ARTSG_VLLM_PYTHONPATH")
+    in_site = any((Path(p) / "vllm" / "__init__.py").is_file() for p in (site or "").split(os.pathsep) if p)
+    return in_site or importlib.util.find_spec("vllm") is not None
+
+
+def run_jobs(cfg: StepBenchConfig) -> pd.DataFrame:
+    """cfg.jobs one after the other (`run_step_bench` each, with the job's model and budgets) into
+    one CSV: the first merges as cfg.merge says, the others into what the first wrote."""
+    if cfg.model_path is not None:
+        raise ValueError("give --jobs or --model-path, not both: each job names its own model")
+    df, out = pd.DataFrame(columns=COLUMNS), cfg.out
+    for i, spec in enumerate(cfg.jobs):
+        name, budgets = parse_job(spec)
+        model = job_model_dir(JOBS[name][0], cfg.models_dir)
+        job = replace(cfg, jobs=(), model_path=model, max_new_tokens=budgets, out=out, merge=cfg.merge or i > 0)
+        df = run_step_bench(job)
+        out = out or str(default_path(df, cfg.results_dir))
+    return df
 
 
 def run_step_bench(cfg: StepBenchConfig) -> pd.DataFrame:
@@ -260,15 +311,27 @@ def main(argv: Sequence[str] | None = None) -> pd.DataFrame | None:
     if argv[:1] == ["--leg"]:  # a child process: one leg, its row as JSON
         _leg_main(argv[1:])
         return None
-    df = run_step_bench(parse_args(argv))
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
+    cfg = parse_args(argv)
+    df = run_jobs(cfg) if cfg.jobs else run_step_bench(cfg)
+    print_summary(df)
+    return df
+
+
+def print_summary(df: pd.DataFrame) -> None:
+    """The rows, the ratios against each TRL mode, and each row's parts as shares of the card's floor."""
+    with pd.option_context("display.width", 250, "display.max_columns", 30, "display.float_format", "{:.3g}".format):
         print(df.to_string(index=False))
         r = step_ratios(df)
         if not r.empty:
-            print("\nartsg_nb vs TRL per job and pipeline setting (speedup_vs_trl = TRL step / artsg_nb step; "
-                  "first_train_s: artsg_nb's first update):")
+            print("\nartsg_nb vs TRL per job and pipeline setting: speedup_vs_trl_vllm = TRL + vLLM colocated (TRL's "
+                  "fast path) step / artsg_nb step; speedup_vs_trl = TRL with plain generate step / artsg_nb step; "
+                  "first_train_s: artsg_nb's first update:")
             print(r.to_string())
-    return df
+        shares = floor_shares(df)
+        if not shares.empty:
+            print("\nshare of the card's floor (floor / measured; decode: max_new_tokens x weight bytes / HBM "
+                  "bandwidth, train: (4 N + 6 P) x tokens / bf16 peak; benchmarks/README.md):")
+            print(shares.to_string(index=False))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cache
@@ -23,14 +24,16 @@ from typing import Literal
 import torch
 import tyro
 
+from ..serving.memory_estimate import ModelMemory
 from ..tasks.registry import get_task
 from ..models.tiny import default_model_dir
+from .floors import job_floors
 from .run import hardware_name
 
 COLUMNS = ["framework", "engine", "model", "max_new_tokens", "steps", "step_s_median", "rollout_s_median",
            "train_s_median", "reload_s_median", "tokens_per_step", "reward_first", "reward_last", "hardware",
            "date", "pipeline", "start_s", "first_train_s", "first_step_s", "commit", "job", "reload_wait_s_median",
-           "overlap_median"]
+           "overlap_median", "decode_floor_s", "train_floor_s"]
 """The step benchmark's CSV columns, in order (plots.plot_step_benchmark and results.step_ratios read
 them by name; columns are only ever appended). `pipeline`: RunConfig(pipeline=...) of an artsg_nb row
 (False for TRL); `start_s`: seconds to get ready to step (artsg_nb: GRPORun.start(); TRL: the leg's
@@ -44,16 +47,25 @@ step: all of reload_s; a pipelined one: what was left once the next step's rollo
 history's reload_wait_s; TRL: 0); `overlap_median`: a pipelined artsg_nb row's median, over its steps
 after the warm-up whose own rollouts and the next step's were sampled ahead, of step / max(its
 update, the rollouts it sampled ahead) (`overlap_ratios`: issue 26's build item 5, per step), NaN
-for the other rows."""
-FRAMEWORKS = ("artsg_nb", "trl")
+for the other rows; `decode_floor_s`, `train_floor_s`: the card's floor under the job's rollout and
+update (floors.py; NaN on a CPU or an unknown card)."""
+FRAMEWORKS = ("artsg_nb", "trl_vllm", "trl")
+"""artsg_nb; TRL's fast path, GRPOTrainer(use_vllm=True, vllm_mode="colocate"): vLLM in the trainer's
+process, the mode TRL recommends (engine column "vllm-colocate"); TRL with plain `model.generate`
+(engine "transformers"), its slowest mode and the only one before issue 48."""
+TRL_VLLM_MEMORY = (0.35, 0.4)
+"""vllm_gpu_memory_utilization of TRL's fast path: the first below LARGE_MODEL_BYTES of weights, the
+second from it (the settings TRL's fast path ran at in issue 48: 0.35 at 135M, 0.4 at 7B)."""
+LARGE_MODEL_BYTES = 4e9
 
 
 @dataclass
 class StepBenchConfig:
     """One step benchmark: which frameworks, which job, how many steps."""
 
-    frameworks: tuple[Literal["artsg_nb", "trl"], ...] = FRAMEWORKS
-    """"artsg_nb" and/or "trl"."""
+    frameworks: tuple[Literal["artsg_nb", "trl_vllm", "trl"], ...] = FRAMEWORKS
+    """"artsg_nb", "trl_vllm" (TRL + vLLM colocated: TRL's fast path) and/or "trl" (TRL with plain
+    generate). The trl_vllm leg needs vLLM importable: `vllm_pythonpath`."""
     task: Literal["addition_chat", "addition"] = "addition_chat"
     """The job's task (tasks/chat.py, tasks/registry.py): both ask "What is a + b?". "addition_chat" reads the
     reply's last number, so a chat model that explains earns a reward at 8 new tokens and GRPO has
@@ -62,7 +74,19 @@ class StepBenchConfig:
     engine: Literal["cpu", "sglang", "vllm"] = "cpu"
     """artsg_nb's server: "sglang", "vllm" or "cpu" (TRL generates in-process either way)."""
     model_path: str | None = None
-    """Base model directory; None: the offline tiny model."""
+    """Base model directory; None: the offline tiny model. Not with `jobs`."""
+    jobs: tuple[str, ...] = ()
+    """Named jobs instead of model_path x max_new_tokens (JOBS: "smollm2", "1.5b", "7b"; "7b:256"
+    for one budget), run in the order given into one CSV. Their models come from `models_dir`."""
+    models_dir: str | None = None
+    """Where the named jobs' models are: <models_dir>/smollm2 (else the registered build) and
+    <models_dir>/random-llama-<shape>, built there when missing (`python -m artsg_nb.models random`,
+    SmolLM2's tokenizer); None: the cache."""
+    vllm_gpu_memory_utilization: float | None = None
+    """TRL's fast path: vLLM's share of the GPU; None: TRL_VLLM_MEMORY by the model's size."""
+    vllm_pythonpath: str | None = None
+    """Appended to the trl_vllm leg's PYTHONPATH (vLLM from a bundle's site folder, after the
+    kernel's packages); None: $ARTSG_VLLM_PYTHONPATH (tools/gpu/install.sh sets it), else nothing."""
     max_new_tokens: tuple[int, ...] = (8, 256)
     """One job per completion budget."""
     steps: int = 10
@@ -177,19 +201,23 @@ def leg_result(cfg: StepBenchConfig, framework: str, engine: str, max_new: int, 
     None: all of reload_s was waited for; `staleness`: a pipelined leg's history column, which says
     which steps' rollouts were sampled ahead (`overlap_ratios`; None: no overlap_median)."""
     keep = slice(cfg.warmup if len(step_s) > cfg.warmup else 0, None)
-    return {"framework": framework, "engine": engine, "model": Path(cfg.model_path or default_model_dir()).name,
+    model_dir = cfg.model_path or default_model_dir()
+    hardware = hardware_name(engine if framework == "artsg_nb" else ("gpu" if torch.cuda.is_available() else "cpu"))
+    floors = job_floors(model_dir, hardware, max_new, _median(tokens[keep]), cfg.lora_rank)
+    return {"framework": framework, "engine": engine, "model": Path(model_dir).name,
             "max_new_tokens": max_new, "steps": len(step_s), "step_s_median": _median(step_s[keep]),
             "rollout_s_median": _median(rollout_s[keep]), "train_s_median": _median(train_s[keep]),
             "reload_s_median": _median(reload_s[keep]), "tokens_per_step": _median(tokens[keep]),
             "reward_first": rewards[0] if rewards else float("nan"),
             "reward_last": rewards[-1] if rewards else float("nan"),
-            "hardware": hardware_name(engine if framework == "artsg_nb" else ("gpu" if torch.cuda.is_available() else "cpu")),
+            "hardware": hardware,
             "date": datetime.now().strftime("%Y-%m-%d"), "pipeline": bool(pipeline), "start_s": float(start_s),
             "first_train_s": _first(train_s) if first_train_s is None else float(first_train_s),
             "first_step_s": _first(step_s), "commit": source_commit(), "job": job_label(cfg),
             "reload_wait_s_median": _median((reload_s if reload_wait_s is None else reload_wait_s)[keep]),
             "overlap_median": (_median(overlap_ratios(step_s, rollout_s, train_s, staleness)[keep])
-                               if staleness is not None else float("nan"))}
+                               if staleness is not None else float("nan")),
+            "decode_floor_s": floors.decode_s, "train_floor_s": floors.train_s}
 
 
 def overlap_ratios(step_s, rollout_s, train_s, staleness) -> list[float]:
@@ -211,3 +239,50 @@ def job_label(cfg: StepBenchConfig) -> str:
     it have no task word, and their task was "addition")."""
     return (f"{cfg.task} {cfg.groups}x{cfg.group_size} r{cfg.lora_rank}/{cfg.lora_alpha} lr{cfg.learning_rate:g} "
             f"seed{cfg.seed}")
+
+
+# ---------------------------------------------------------------------------- named jobs
+JOBS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "smollm2": ("smollm2", (8, 256)),
+    "1.5b": ("random-llama-1.5b", (256, 1024)),
+    "7b": ("random-llama-7b", (256, 1024)),
+}
+"""Issue 48's jobs: name → (model, new-token budgets). "smollm2" is SmolLM2-135M-Instruct; the others
+random-weight benchmark models at real shapes (models/random_model.py: their rewards mean nothing,
+the speed is what they measure)."""
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def parse_job(spec: str) -> tuple[str, tuple[int, ...]]:
+    """"7b" → ("7b", its budgets); "7b:256" → ("7b", (256,))."""
+    name, _, budget = spec.partition(":")
+    if name not in JOBS:
+        raise ValueError(f"unknown job {spec!r}; known: {', '.join(JOBS)} (NAME or NAME:MAX_NEW_TOKENS)")
+    return name, (int(budget),) if budget else JOBS[name][1]
+
+
+def job_model_dir(name: str, models_dir: str | None) -> str:
+    """The directory of a named job's model, built when missing (a random model in a process of its
+    own: it draws its weights on the GPU, whose context this process must not keep)."""
+    from ..models.pretrained import built_model_dir
+    from ..models.random_model import default_out_dir
+
+    smol = Path(models_dir) / "smollm2" if models_dir else None
+    smol_dir = str(smol) if smol is not None and (smol / "config.json").is_file() else None
+    if name == "smollm2":
+        return smol_dir or built_model_dir(SMOLLM2)
+    shape = name.removeprefix("random-llama-")
+    out = Path(models_dir) / name if models_dir else default_out_dir(shape, "llama", 0)
+    if not (out / ".complete").is_file():
+        tokenizer = smol_dir or built_model_dir(SMOLLM2)
+        subprocess.run([sys.executable, "-m", "artsg_nb.models", "random", "--shape", shape, str(out),
+                        "--tokenizer", tokenizer], check=True)
+    return str(out)
+
+
+def trl_vllm_memory(cfg: StepBenchConfig, model_dir: str) -> float:
+    """vLLM's share of the GPU in TRL's fast path: cfg's, else TRL_VLLM_MEMORY by the model's weights."""
+    if cfg.vllm_gpu_memory_utilization is not None:
+        return cfg.vllm_gpu_memory_utilization
+    model = ModelMemory.from_dir(model_dir)
+    return TRL_VLLM_MEMORY[bool(model and model.weights >= LARGE_MODEL_BYTES)]

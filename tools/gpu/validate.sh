@@ -48,12 +48,20 @@
 #   tiny        the CI tiny model only (/tmp/models/tiny)
 #   smollm2     SmolLM2-135M-Instruct built by `python -m artsg_nb.models` from the GGUF that install.sh
 #               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)
+#   random-models  the random-weight benchmark models of issue 48's jobs, built on the GPU with SmolLM2's
+#               tokenizer (after the smollm2 phase): /tmp/models/random-llama-1.5b and -7b (RANDOM_SHAPES
+#               "1.5b 7b"; ~20-40 s for a 7B). Their rewards mean nothing: they measure speed
 #   stepbench   python -m artsg_nb.bench.step: artsg_nb on SGLang (RunConfig defaults, synchronous) vs TRL's
-#               GRPOTrainer, same job, 8 and 256 new tokens, STEP_STEPS (default 8) steps each; merged into
+#               GRPOTrainer in its fast path (trl_vllm: vLLM colocated, from /tmp/vsite after the kernel's
+#               packages: carry the three .vllm-bundle parts first) and with plain generate (trl), same job,
+#               SmolLM2 at 8 and 256 new tokens, STEP_STEPS (default 8) steps each; merged into
 #               /tmp/step.csv (kept while the host stays warm) through $OUT/step.csv (written after every leg, so
 #               a call cut short keeps the legs it finished). STEP_LIMIT_S: its limit; STEP_TOKENS: the jobs'
 #               new tokens in running order ("8 256"); STEP_PIPELINE: "False True" runs the pipelined legs too;
-#               STEP_FRAMEWORKS: "artsg_nb" leaves TRL's legs out
+#               STEP_FRAMEWORKS: which legs ("artsg_nb trl_vllm trl"; "artsg_nb" leaves TRL's out);
+#               STEP_JOBS: issue 48's named jobs instead of SmolLM2 at STEP_TOKENS ("7b:256", "1.5b", ...;
+#               models from /tmp/models, built when missing). Prints the ratios against each TRL mode and
+#               each row's share of the card's floor
 #   ab          issue 26 item 5: same-host A/B of the 8-token pipelined leg on SmolLM2 (after the smollm2 phase)
 #               under the arms AB_ARMS names (default "staged plain": the served adapter's save through
 #               rl/tensor_io.HostStaging vs the plain path it replaced; "switch": CPython's thread switch
@@ -132,17 +140,22 @@ for p in "$@"; do
                  grep -E '^\{|balanced|unload after' "$OUT/nshapes.log" | cut -c1-300 | sed 's/^/    /' ;;
     tiny)        phase tiny 240 python3 -m artsg_nb.models tiny $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
+    random-models)
+                 phase random-models 300 bash -c "for s in ${RANDOM_SHAPES:-1.5b 7b}; do python3 -m artsg_nb.models random \
+                   --shape \$s /tmp/models/random-llama-\$s --tokenizer $SMOL || exit 1; done" ;;
     stepbench|stepbench-pipe)
-                 STEP_ARGS="--frameworks ${STEP_FRAMEWORKS:-artsg_nb trl} --pipeline ${STEP_PIPELINE:-False}"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
+                 STEP_ARGS="--frameworks ${STEP_FRAMEWORKS:-artsg_nb trl_vllm trl} --pipeline ${STEP_PIPELINE:-False}"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
+                 STEP_JOB_ARGS="--model-path $SMOL --max-new-tokens ${STEP_TOKENS:-8 256}"
+                 [[ -n ${STEP_JOBS:-} ]] && STEP_JOB_ARGS="--jobs $STEP_JOBS --models-dir /tmp/models"
                  [[ -f /tmp/step.csv ]] && cp /tmp/step.csv "$OUT/step.csv"  # written in $OUT after every leg: a cut call keeps its legs
                  touch /tmp/stepbench.stamp  # the histories of this phase's legs only, not those of an earlier call's
-                 phase "$p" "${STEP_LIMIT_S:-560}" python3 -m artsg_nb.bench.step --engine sglang --model-path $SMOL \
-                   --max-new-tokens ${STEP_TOKENS:-8 256} $STEP_ARGS --steps ${STEP_STEPS:-8} --groups 16 --group-size 8 \
+                 phase "$p" "${STEP_LIMIT_S:-560}" python3 -m artsg_nb.bench.step --engine sglang $STEP_JOB_ARGS \
+                   $STEP_ARGS --steps ${STEP_STEPS:-8} --groups 16 --group-size 8 \
                    --run-dir /tmp/runs/step --out "$OUT/step.csv"
                  [[ -f $OUT/step.csv ]] && cp "$OUT/step.csv" /tmp/step.csv
                  for d in /tmp/runs/step/*/; do  # each leg's rows: the per-step figures (overlap_median's pairs)
                    [[ $d/history.jsonl -nt /tmp/stepbench.stamp ]] && cp "$d/history.jsonl" "$OUT/$(basename "$d")-history.jsonl"; done
-                 grep -E 'artsg_nb|trl|ratio|x TRL|speed|replacing' "$OUT/$p.log" | tail -14 | cut -c1-220 | sed 's/^/    /' ;;
+                 sed -n '/^artsg_nb vs TRL/,$p' "$OUT/$p.log" | tail -30 | cut -c1-250 | sed 's/^/    /' ;;
     ab|ab-save)  ARMS=${AB_ARMS:-staged plain}; [[ $p == ab-save ]] && ARMS="staged plain"  # this phase's only
                  phase "$p" "${AB_LIMIT_S:-560}" env AB_ARMS="$ARMS" bash tools/gpu/ab_step.sh $SMOL "$OUT/$p.csv"
                  grep -E '^(imported|staged|plain|switch|the plain arm|unknown arm)' "$OUT/$p.log" | cut -c1-220 | sed 's/^/    /' ;;

@@ -74,3 +74,52 @@ def test_a_notebook_task_named_like_a_package_task_never_resumes_the_other():
     with pytest.raises(ConfigMismatchError, match="task_note: 'not importable' → None"):
         check_resumable(my_run, replace(RunConfig(task="addition"), resume=True))
     check_resumable(my_run, replace(RunConfig(task=mine), resume=True))
+
+
+# ---- mistakes refused when the config is built (issue 50, build item 3) --------------------
+@pytest.mark.parametrize("fields, message", [
+    (dict(engine="sglnag"), r"unknown engine 'sglnag'; did you mean 'sglang'\?"),
+    (dict(learning_rate="1e-4"), r"learning_rate='1e-4' is a str, not a number.*Try: learning_rate=1e-4"),
+    (dict(group_size=0), r"group_size=0 is out of range: use a whole number >= 1"),
+    (dict(group_size=-4), r"group_size=-4 is out of range"),
+    (dict(groups_per_step=2.5), r"groups_per_step=2.5 is a float, not a whole number"),
+    (dict(max_new_tokens=0), r"max_new_tokens=0 is out of range.*None uses the task's own limit"),
+    (dict(temperature=float("nan")), r"temperature=nan is out of range"),
+    (dict(lora_rank=True), r"lora_rank=True is a bool"),
+    (dict(schedule="prefx"), r"unknown schedule 'prefx'; did you mean 'prefix'\?"),
+    (dict(report_to="wandb"), r"report_to='wandb': give a tuple of strings, e.g. report_to=\('wandb',\)"),
+    (dict(pipeline="yes"), r"pipeline='yes' is a str; give True or False"),
+    (dict(reward_timeout_s=-1), r"reward_timeout_s=-1 is out of range.*0 waits for ever"),
+])
+def test_a_config_that_cannot_work_is_refused_when_built(fields, message):
+    from artsg_nb.run.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        RunConfig(**fields)
+    with pytest.raises(ConfigError, match=message):  # a variant derived with replace is checked too
+        replace(RunConfig(), **fields)
+
+
+def test_group_size_one_is_warned_about():
+    with pytest.warns(UserWarning, match="group_size=1: .*every advantage is 0"):
+        RunConfig(group_size=1)
+
+
+def test_eval_every_without_an_eval_split_fails_when_built():
+    from artsg_nb.run.config import ConfigError
+    from artsg_nb.tasks.registry import Task
+
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(8)]
+    reward = lambda prompts, completions, **kw: [0.0] * len(completions)  # noqa: E731
+    task = Task.from_dataset(rows, reward_funcs=[reward])
+    with pytest.raises(ConfigError, match=r"eval_every=2 .*split 'eval' has no rows.*eval_fraction=0.1"):
+        RunConfig(task=task, eval_every=2)
+    held = Task.from_dataset(rows, reward_funcs=[reward], eval_rows=[0, 1])
+    assert RunConfig(task=held, eval_every=2).eval_every == 2
+    assert RunConfig(task="addition", eval_every=2).eval_every == 2  # held-out seeds always exist
+
+
+def test_a_reward_timeout_may_change_on_resume():
+    saved = config_record(RunConfig())
+    saved.pop("reward_timeout_s")  # a run saved before the field existed
+    check_resumable(saved, replace(RunConfig(reward_timeout_s=5.0), resume=True))

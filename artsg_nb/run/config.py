@@ -5,7 +5,8 @@ with `dataclasses.replace`), its JSON record (`config_record`, written to `<run_
 by every run, the API key left out) and the check that a resumed run computes what the original
 would have (`check_resumable` names every field that changed).
 
-What it does not do: run anything (session.py).
+What it does not do: run anything (session.py), or hold the checks a config passes when built
+(config_checks.py: names, types, ranges, settings that cannot work together).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..rl.grpo import GRPOConfig
 from ..serving.gpus import GpuInfo, list_gpus
 from ..serving.memory_estimate import ColocatedFit, ModelMemory, colocated_fit
 from ..tasks.registry import NOT_IMPORTABLE, Task, UnknownTaskError, get_task, task_spec
+from .config_checks import ConfigError, check_config  # noqa: F401  (ConfigError: public here too)
 
 TINY_MODEL_LEARNING_RATE = 3e-3
 """learning_rate=None on the offline tiny model (both demo tasks climb from ~0.4-0.5 to ~0.85 in
@@ -47,11 +49,12 @@ class RunConfig:
     run_dir: str = "runs/quickstart"
     """Adapters, checkpoints, history and server logs go here."""
     group_size: int = 8
-    """G: completions per prompt (the GRPO group)."""
+    """G: completions per prompt (the GRPO group); at least 1, and 1 is warned about (no
+    other completion to compare with: every advantage is 0)."""
     groups_per_step: int = 8
     """Prompts per step."""
     max_new_tokens: int | None = None
-    """Per turn; None uses the task's own limit."""
+    """Per turn; None uses the task's own limit (0 is refused: it read as "the task's limit")."""
     temperature: float = 1.0
     """Sampling temperature; the trainer scores with the same one."""
     learning_rate: float | None = None
@@ -92,6 +95,12 @@ class RunConfig:
     server info, metrics; each takes well under a second on a healthy server: past it the call fails
     naming the operation, and the server is restarted and the step redone like after a crash
     (SGLang 0.5.14's stuck unload, sglang#36894). 0: no own limit (the 600 s request timeout)."""
+    reward_timeout_s: float = 120.0
+    """Seconds one call of the task's own code may take — `env.reset`, `env.step`, a reward
+    function of a dataset task, `Task.group_reward`: past it the episode (or the group's reward)
+    fails naming the function, and the step goes on without it (a step where every episode failed
+    stops, naming the cause). Synchronous functions run in a worker thread so that a hung one can
+    be left behind; 0 waits for ever. Operational: may change on resume."""
     resume: bool = False
     """Continue from the newest complete checkpoint in run_dir."""
     verify_adapter: bool = True
@@ -165,6 +174,7 @@ class RunConfig:
     (trackers.py; each is optional and imported only when named here)."""
 
     def __post_init__(self) -> None:
+        check_config(self)  # names, types, ranges, eval_every's split: before any server starts
         if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 1:
             raise ValueError(f"verify_every={self.verify_every!r}: use a whole number of steps >= 1 (1: check the "
                              "served adapter after every reload). To turn the check off, use verify_adapter=False.")
@@ -172,7 +182,8 @@ class RunConfig:
 
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
-_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s", "verify_adapter", "verify_every", "concurrency",
+_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s",
+                          "reward_timeout_s", "verify_adapter", "verify_every", "concurrency",
                           "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule", "prompt_warm_up",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to",
                           "micro_batch_tokens"})

@@ -9,7 +9,9 @@ owning kernel died (but for those a caller is about to adopt). Records hold the 
 (adopting a server needs it), so they are written 0600 whatever the umask, atomically; the log
 too is created 0600 (SGLang prints its arguments, key included). `RunDirLock` is the one-writer
 lock of a run directory (flock on `<run_dir>/.lock`, released by the OS when its process dies).
-Ports: `port_is_free`, `pick_free_port`, `wait_port_free`, `port_owner`.
+Ports: `port_is_free`, `pick_free_port`, `wait_port_free`, `port_owner`, and `listener_of`, which
+tells whether the socket listening on a port belongs to a given process tree (a server's readiness
+must come from the process it started, not from whoever holds the port).
 
 A process is identified by (pid, create time), never by pid alone — pids are recycled — and
 never by name: nothing here can kill a process it did not start.
@@ -347,6 +349,29 @@ def port_owner(port: int) -> str | None:
     except (psutil.Error, OSError):
         pass
     return None
+
+
+def listener_of(pid: int, host: str, port: int) -> str | None:
+    """Who listens on host:port: "ours" (`pid` or a process it forked), "foreign" (another process,
+    whose owner the OS may hide), "none" (nobody yet) or None (the OS does not let us look).
+
+    One snapshot of the system's sockets, the process tree read after it: a listener of the tree
+    at the snapshot is still in the tree then, so a server that binds meanwhile is never taken for
+    a foreign one. Counts sockets on host itself and on the wildcard addresses that cover it."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.Error, OSError):
+        return None
+    on_port = [c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+               and c.laddr.ip in (host, "0.0.0.0", "::", f"::ffff:{host}")]
+    if not on_port:
+        return "none"
+    try:
+        root = psutil.Process(pid)
+        tree = {pid, *(p.pid for p in root.children(recursive=True))}
+    except psutil.Error:
+        tree = set()
+    return "ours" if any(p in tree for p in on_port) else "foreign"
 
 
 def _family(host: str) -> int:

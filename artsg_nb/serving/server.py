@@ -2,9 +2,11 @@
 
 What it does: `start_server(ServerConfig(...))` launches the engine with its own environment's
 interpreter (server_env.py) as a subprocess of the notebook kernel, in its own process group, bound
-to 127.0.0.1 on a free port, output to `<run_dir>/<engine>.log`; it polls GET /health (with a
-tqdm bar) while watching the process, and raises with the log tail when start-up fails. A
-re-run cell with the same config gets the same live server back; a changed config replaces it.
+to 127.0.0.1 on a free port, output to `<run_dir>/<engine>.log`; it polls GET /health and the
+engine's authenticated route (with a tqdm bar) while watching the process, and calls it ready only
+when the answer comes from that process (the socket on the port is its own; another process on
+the port is never sent the key and ends the start with PortInUseError). It raises with the log tail
+when start-up fails. A re-run cell with the same config gets the same live server back; a changed config replaces it.
 Each server is recorded on disk (procs.py); after a kernel restart, starting the same config
 adopts the dead kernel's live server (its key read from the 0600 record, checked on an
 authenticated route) instead of a cold start, and other orphans of dead kernels are stopped.
@@ -77,7 +79,8 @@ class ServerNotReady(ServerStartError):
 
 
 class PortInUseError(ServerStartError):
-    """The requested port is taken (checked before launch, or seen in the log on bind)."""
+    """The port is another process's: seen before launch, listening there while the server
+    started (a lost race), or the server's own bind failed (in its log)."""
 
 
 class Server:
@@ -221,6 +224,9 @@ class Server:
 
     # ---- start-up steps ------------------------------------------------------------------
     def _choose_port(self) -> int:
+        """The port to launch on. A given port already taken fails here at once (naming its
+        owner); that check is only a fast answer: the server binds the port itself, and
+        `_wait_ready` catches a port someone took after this check."""
         host, port = self.config.host, self.config.port
         if port is not None:
             if not procs.port_is_free(host, port):
@@ -265,6 +271,11 @@ class Server:
                  self.server_env.version, self.proc.pid, self.url, self.log_path)
 
     def _wait_ready(self) -> None:
+        """Wait until the process this call started answers: it is alive, the socket listening on
+        the port is its own (or a worker's), and /health and the authenticated probe accept its
+        key. Another process on the port (a second notebook that won the race for it, or any
+        local user) is never probed, so it never receives the key, and it ends the wait with
+        PortInUseError naming the port."""
         cfg, t0 = self.config, time.monotonic()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         bar = tqdm(total=round(cfg.timeout_s), desc=f"{cfg.engine} starting on {self.url}",
@@ -275,13 +286,16 @@ class Server:
                 if code is not None:
                     _end_bar(bar, ok=False)
                     raise self._exit_error(code, time.monotonic() - t0)
-                try:
-                    if http.get(f"{self.url}/health").status_code == 200:
-                        log.info("%s ready on %s after %.1f s", cfg.engine, self.url, time.monotonic() - t0)
-                        _end_bar(bar, ok=True)
-                        return
-                except httpx.HTTPError:
-                    pass  # not listening yet, or accepted but not answering (vLLM while loading)
+                listener = procs.listener_of(self.proc.pid, cfg.host, self.port)
+                if listener == "foreign":
+                    _end_bar(bar, ok=False)
+                    raise self._port_taken_error(time.monotonic() - t0)
+                # None: this OS hides sockets' owners; the process being alive and its key
+                # accepted are then all there is to go on.
+                if listener in ("ours", None) and self._answers(http):
+                    log.info("%s ready on %s after %.1f s", cfg.engine, self.url, time.monotonic() - t0)
+                    _end_bar(bar, ok=True)
+                    return
                 elapsed = time.monotonic() - t0
                 if elapsed > cfg.timeout_s:
                     _end_bar(bar, ok=False)
@@ -294,6 +308,35 @@ class Server:
                         f"Last 20 lines of {self.log_path}:\n{tail}")
                 bar.update(min(round(elapsed), bar.total) - bar.n)
                 time.sleep(0.25)
+
+    def _answers(self, http: httpx.Client) -> bool:
+        """/health and the engine's authenticated route both 200 with this start's key. A server
+        of ours that refuses its own key is an error, not a wait (the key did not reach it)."""
+        try:
+            if http.get(f"{self.url}/health").status_code != 200:
+                return False
+            code = http.get(f"{self.url}{self.config.spec.auth_probe}").status_code
+        except httpx.HTTPError:
+            return False  # not listening yet, or accepted but not answering (vLLM while loading)
+        if code in (401, 403):
+            tail = self.log_tail(20)
+            self.stop(timeout_s=5)
+            raise ServerStartError(
+                f"the {self.config.engine} server on {self.config.host}:{self.port} refuses its own API "
+                f"key ({code} on {self.config.spec.auth_probe}); it was stopped. Try: check that this "
+                f"engine reads its key from ${self.config.spec.api_key_env}, or api_key=None. "
+                f"Last 20 lines of {self.log_path}:\n{tail}")
+        return code == 200
+
+    def _port_taken_error(self, elapsed_s: float) -> PortInUseError:
+        """Another process listens on the port this start launched on: stop ours (it cannot bind)."""
+        owner = procs.port_owner(self.port)
+        self.stop(timeout_s=5)
+        return PortInUseError(
+            f"port {self.port} on {self.config.host} was taken by another process"
+            f"{f' ({owner})' if owner else ''} while the {self.config.engine} server was starting "
+            f"({elapsed_s:.1f} s in): this start lost the race for the port and was stopped; nothing was "
+            "sent to the other process. Try: port=None to get a free port, or stop the other server.")
 
     def _exit_error(self, code: int, elapsed_s: float) -> ServerStartError:
         tail = self.log_tail(20)

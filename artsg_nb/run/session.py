@@ -46,6 +46,7 @@ from ..view.plots import LiveTraining, load_rollouts, plot_training
 from ..serving.procs import RunDirLock
 from .released import train_released
 from .retention import prune_adapters
+from .rundir import archive_earlier_run, take_over
 from ..rollout.groups import collect_groups
 from ..rollout.trajectory import require_rewards, rollout_stats
 from .config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
@@ -134,6 +135,7 @@ class GRPORun:
         trainer, load history and the latest adapter. A failure stops the server it started and
         releases the lock before the error goes up."""
         self.task = resolve_task(self.cfg.task)  # a typo fails before run_dir (and its lock) exists
+        take_over(self)  # a re-run start cell: this kernel's earlier run of run_dir stopped, its server kept
         self._lock.acquire()
         try:
             return self._start()
@@ -143,6 +145,8 @@ class GRPORun:
 
     def _start(self) -> "GRPORun":
         cfg = self.cfg
+        if not cfg.resume:
+            archive_earlier_run(self.run_dir)  # a fresh start never mixes in an earlier run's steps
         self._save_config()
         self.plan = plan_gpus(list_gpus(), num_servers=cfg.num_servers,
                               trainer_ranks=cfg.trainer_ranks if cfg.trainer_ranks > 1 else None)

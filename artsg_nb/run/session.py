@@ -43,6 +43,7 @@ from ..serving.metrics import HitRateTracker
 from ..models.pretrained import base_model_id, built_model_dir
 from .pipeline import SampleAhead
 from ..view.plots import LiveTraining, load_rollouts, plot_training
+from ..view.plots.sample_cards import full_text, show_samples
 from ..serving.procs import RunDirLock
 from .released import train_released
 from .retention import prune_adapters
@@ -427,8 +428,29 @@ class GRPORun:
         return (result.summary, result.samples) if return_samples else result.summary
 
     def samples(self, step: int | None = None, k: int | None = None):
-        """Step `step`'s trajectories (None: the newest) as a DataFrame (samples.py), first k rows."""
-        return read_samples(self.run_dir, step, k)
+        """Step `step`'s trajectories (None: the newest) as a DataFrame (samples.py), first k rows;
+        its display shows each completion whole (view.plots.sample_cards.FullTextFrame)."""
+        return full_text(read_samples(self.run_dir, step, k))
+
+    def show_samples(self, k: int = 4, step: int | None = None, worst: bool = False) -> None:
+        """Show k samples of `step` (None: the newest) whole, best reward first (`worst`: worst
+        first): prompt, completion, reward and its parts, finish reason. HTML in a notebook, text elsewhere."""
+        show_samples(read_samples(self.run_dir, step), k, worst)
+
+    async def chat(self, messages, base: bool = False, max_new_tokens: int | None = None,
+                   temperature: float = 0.0) -> str:
+        """The reply of the trainer's newest adapter (served first if a step of `run()` left it;
+        `base=True`: the base model's) to `messages` (a chat list, or one user message as a
+        string); greedy unless `temperature`. Nothing is trained or recorded."""
+        if self.trainer is None:
+            raise RuntimeError("call start() before chat()")
+        messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages)
+        await self.serve_initial()
+        await self._serve_newest()
+        params = SamplingParams(max_new_tokens=max_new_tokens or self.cfg.max_new_tokens or self.task.max_new_tokens,
+                                temperature=temperature)
+        answer = await self.client.chat(messages, params, adapter=None if base else self.adapter, logprobs=False)
+        return answer["choices"][0]["message"]["content"]
 
     def export(self, path, merge: bool = False) -> Path:
         """The trainer's newest adapter (the served one, or one a step of `run()` left to serve) as a

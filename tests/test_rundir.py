@@ -2,6 +2,7 @@
 and a start cell run twice in one kernel takes over its own live run instead of RunDirBusyError."""
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -106,8 +107,7 @@ def test_start_twice_takes_over_and_a_fresh_start_shows_only_its_own_steps(tiny_
     reuses the first one's server (same pid), and after the fresh start samples(), the history and
     the adapters are the new run's only (issue 49 defect 5: the old step showed beside step 1)."""
     cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
-                    run_dir=str(tmp_path / "run"), group_size=2, groups_per_step=1, verbose=False,
-                    verify_adapter=False)
+                    run_dir=str(tmp_path / "run"), group_size=2, groups_per_step=1, verify_adapter=False)
     first = GRPORun(cfg).start()
     try:
         pid = first.server.pid
@@ -121,6 +121,9 @@ def test_start_twice_takes_over_and_a_fresh_start_shows_only_its_own_steps(tiny_
         assert not first._lock.held
         out = capsys.readouterr().out
         assert "took over" in out and "held an earlier run" in out
+        stopped = [line for line in out.splitlines() if line.startswith("stopped ")]
+        assert stopped == [f"stopped {cfg.run_dir} at step 2: adapters and history stay there. "
+                           "To go on: RunConfig(..., resume=True)."], out  # its server was kept
         asyncio.run(second.step())
         assert list(second.samples()["step"].unique()) == [1]
         assert sorted(p.name for p in (second.run_dir / "adapters").iterdir()) == ["policy-step-0", "policy-step-1"]
@@ -130,3 +133,7 @@ def test_start_twice_takes_over_and_a_fresh_start_shows_only_its_own_steps(tiny_
     finally:
         second.stop()
     assert not rundir._holds_lock(second)
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"stopped {cfg.run_dir} at step 1: server stopped;")
+    with GRPORun(replace(cfg, resume=True)) as resumed:
+        assert f"resumed {cfg.run_dir} at step 1 (policy-step-1): the next step is 2." in capsys.readouterr().out
+        assert resumed.trainer.step == 1 and not list((resumed.run_dir / "archive").iterdir())[1:]

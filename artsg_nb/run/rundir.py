@@ -9,6 +9,7 @@ one-writer lock, the server records (a live server may be adopted or reused) and
 logs (each start writes its own header). `take_over(run)` lets a notebook re-run its start cell:
 a run of the same directory that this kernel started and never stopped is stopped first (its
 single server kept, so the new run reuses it) instead of the lock refusing the new one.
+`stopped_line` / `resumed_line` are the one line a run prints when it stops or resumes.
 
 What it does not do: lock the directory (serving.procs.RunDirLock), resume a run
 (`resume=True`: session.GRPORun), or delete anything: archives are left for the user to remove.
@@ -96,3 +97,15 @@ def take_over(run) -> None:
 def _holds_lock(run) -> bool:
     lock = getattr(run, "_lock", None)
     return bool(lock is not None and lock.held)
+
+
+def stopped_line(run_dir: str | Path, step: int, server_stopped: bool) -> str:
+    """The one line a run prints when it stops: where it stopped and how to go on."""
+    server = "server stopped; " if server_stopped else ""
+    return (f"stopped {run_dir} at step {step}: {server}adapters and history stay there. "
+            "To go on: RunConfig(..., resume=True).")
+
+
+def resumed_line(run_dir: str | Path, step: int, adapter: str) -> str:
+    """The one line a resumed run prints: which step it continues from."""
+    return f"resumed {run_dir} at step {step} ({adapter}): the next step is {step + 1}."

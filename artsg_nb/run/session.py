@@ -47,7 +47,7 @@ from ..view.plots.sample_cards import full_text, show_samples
 from ..serving.procs import RunDirLock
 from .released import train_released
 from .retention import prune_adapters
-from .rundir import archive_earlier_run, take_over
+from .rundir import archive_earlier_run, resumed_line, stopped_line, take_over
 from ..rollout.groups import collect_groups
 from ..rollout.trajectory import require_rewards, rollout_stats
 from .config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
@@ -187,6 +187,8 @@ class GRPORun:
     def stop(self) -> None:
         """Stop the server (by process group), then the dashboard after one last refresh, so it
         says "stopped"; release run_dir's lock. Saved adapters and history stay in run_dir."""
+        say = self.cfg.verbose and self._lock.held and self.trainer is not None  # once, for a started run
+        server_stopped = self.server is not None
         try:
             if self.sampler is not None:
                 self.sampler.cancel_now()  # rollouts sampled ahead (pipeline.py) must not outlive the server
@@ -196,6 +198,8 @@ class GRPORun:
                 self.server.stop()
             if self._dashboard is not None:
                 self._dashboard.stop(reason="run stopped")
+            if say:
+                print(stopped_line(self.run_dir, self.trainer.step, server_stopped), flush=True)
         finally:
             try:  # whatever failed above: the checkpoint being written lands before the lock goes
                 if self.trainer is not None:
@@ -491,6 +495,8 @@ class GRPORun:
         self.trainer.load_checkpoint(version.path)
         self.history.truncate(self.trainer.step)
         log.info("resumed %s at step %d", self.run_dir, self.trainer.step)
+        if self.cfg.verbose:
+            print(resumed_line(self.run_dir, self.trainer.step, version.name), flush=True)
         return version
 
     def _skip_update(self, n_constant: int):

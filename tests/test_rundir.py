@@ -137,3 +137,19 @@ def test_start_twice_takes_over_and_a_fresh_start_shows_only_its_own_steps(tiny_
     with GRPORun(replace(cfg, resume=True)) as resumed:
         assert f"resumed {cfg.run_dir} at step 1 (policy-step-1): the next step is 2." in capsys.readouterr().out
         assert resumed.trainer.step == 1 and not list((resumed.run_dir / "archive").iterdir())[1:]
+
+
+def test_make_demo_archives_the_earlier_demo_with_its_executed_notebook(tmp_path, monkeypatch, capsys):
+    """The executed notebook is written before the quickstart's start cell archives: it must go
+    with the run it belongs to, not be moved half-written with the new run's start."""
+    from artsg_nb import demo
+    run_dir = tmp_path / "demo"
+    (run_dir / "rollouts").mkdir(parents=True)
+    (run_dir / "01_quickstart.executed.ipynb").write_text("the earlier demo")
+    written = []
+    monkeypatch.setattr(demo.papermill, "execute_notebook",
+                        lambda src, out, **kw: written.append(Path(out).read_text() if Path(out).exists() else None))
+    assert demo.main(["--run-dir", str(run_dir)]) == 0
+    assert written == [None]
+    [archived] = (run_dir / "archive").iterdir()
+    assert (archived / "01_quickstart.executed.ipynb").read_text() == "the earlier demo"

@@ -11,7 +11,7 @@ authenticated route) instead of a cold start, and other orphans of dead kernels 
 Servers this process started or adopted are stopped by `stop()`; at a clean exit without it they
 are kept for a grace period for the next kernel to adopt (leftovers.py), then stopped.
 
-Security (README "Security"): every server requires a random API key by default
+Security (docs/security.md): every server requires a random API key by default
 (`api_key="auto"`, a fresh `secrets.token_urlsafe(32)` per start); `api_key=None` turns it off,
 with a warning. The key goes to the server by environment variable (EngineSpec.api_key_env),
 never on the command line, which every local user can read. Extra flags from

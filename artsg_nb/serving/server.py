@@ -59,7 +59,8 @@ _HINTS = [
      "enable_memory_saver=True needs the torch_memory_saver package in the server environment "
      "(offline GPU bundle: .whl-tms, tools/gpu/README.md); or start without it"),
     (("out of memory", "outofmemoryerror", "not enough memory"),
-     "lower mem_fraction, or free GPU memory (nvidia-smi shows who holds it)"),
+     "lower mem_fraction, or free GPU memory (nvidia-smi shows who holds it; `python -m artsg_nb.servers list` "
+     "shows servers kept after a kernel exit or left by a killed one, `... stop` stops them)"),
     (("no module named", "modulenotfounderror", "importerror"),
      "the server environment lacks a package: check find_server_env() and ARTSG_SERVER_PYTHONPATH"),
     (("unrecognized arguments", "ambiguous option", "invalid choice", "error: argument"),

@@ -65,10 +65,11 @@ def test_a_dir_without_steps_is_left_as_it_is(tmp_path, capsys):
 
 
 class _Run:
-    """What take_over reads of a GRPORun: run_dir, its lock, server, whether a step is under way, stop()."""
+    """What take_over reads of a GRPORun: run_dir, cfg, its lock, server, whether a step is under way, stop()."""
 
-    def __init__(self, run_dir, stepping=False):
+    def __init__(self, run_dir, stepping=False, **cfg):
         self.run_dir, self.server, self.stopped = run_dir, None, False
+        self.cfg = RunConfig(run_dir=str(run_dir), **cfg)
         self._lock = RunDirLock(run_dir)
         self._adapter_lock = object() if stepping else None
 
@@ -90,6 +91,33 @@ def test_a_started_run_of_the_same_dir_is_stopped_and_replaced(tmp_path, capsys)
     other = _Run(tmp_path / "run")
     take_over(other)  # the registered run already stopped: nothing to take over, nothing said
     assert capsys.readouterr().out == "" and not other.stopped
+
+
+def test_a_changed_configuration_stops_the_old_server_too(tmp_path, monkeypatch, capsys):
+    """Kept, a server the new run does not reuse (another engine, model, ...) would run unused."""
+    class Live(rundir.Server):
+        def __init__(self):
+            self.stopped = False
+
+        def alive(self):
+            return not self.stopped
+
+        def stop(self, timeout_s=10.0):
+            self.stopped = True
+
+    for new_cfg, kept in (({}, True), ({"resume": True}, True), ({"group_size": 4}, False)):
+        old = _Run(tmp_path / "run")
+        old.server = server = Live()
+        stop = old.stop
+        old.stop = lambda: (old.server.stop() if old.server is not None else None, stop())
+        take_over(old)
+        old._lock.acquire()
+        new = _Run(tmp_path / "run", **new_cfg)
+        take_over(new)
+        assert server.alive() == kept and old.stopped, new_cfg
+        assert ("kept its server" in capsys.readouterr().out) == kept
+        new._lock.acquire()
+        new.stop()
 
 
 def test_a_run_in_the_middle_of_a_step_is_not_stopped_under_it(tmp_path):

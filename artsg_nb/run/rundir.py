@@ -8,7 +8,8 @@ adapters. What stays in place is what belongs to the directory rather than to on
 one-writer lock, the server records (a live server may be adopted or reused) and the append-only
 logs (each start writes its own header). `take_over(run)` lets a notebook re-run its start cell:
 a run of the same directory that this kernel started and never stopped is stopped first (its
-single server kept, so the new run reuses it) instead of the lock refusing the new one.
+single server kept when the configuration is the same, so the new run reuses it) instead of the
+lock refusing the new one.
 `stopped_line` / `resumed_line` are the one line a run prints when it stops or resumes.
 
 What it does not do: lock the directory (serving.procs.RunDirLock), resume a run
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import fields
 from pathlib import Path
 
 from ..serving.procs import RunDirBusyError
@@ -74,8 +76,8 @@ def _free_name(parent: Path, stamp: str) -> Path:
 def take_over(run) -> None:
     """Before `run` (a GRPORun) takes its directory's lock: stop the run of the same directory
     that this process started and has not stopped (a re-run start cell), keeping its server when
-    it is a single one (start_server hands the same live server to the new run when the config
-    is unchanged); then remember `run` as the directory's run. A run in the middle of a step is
+    it is a single one and the configuration is the same (start_server then hands that live
+    server to the new run); then remember `run` as the directory's run. A run in the middle of a step is
     not stopped under it: RunDirBusyError says how to go on."""
     key = Path(run.run_dir).resolve()
     old = _live_runs.get(key)
@@ -85,13 +87,20 @@ def take_over(run) -> None:
                 f"{run.run_dir} is used by a run of this kernel that is in the middle of a step. "
                 "Try: wait for that step (or interrupt it), then start again; or use another run_dir.")
         server = old.server
-        kept = isinstance(server, Server) and server.alive()
+        kept = isinstance(server, Server) and server.alive() and _same_config(old.cfg, run.cfg)
         if kept:
             old.server = None  # old.stop() leaves it running; start_server gives it to the new run
         old.stop()
         print(f"{run.run_dir}: took over from the run this kernel started there earlier (stopped it"
               f"{', kept its server' if kept else ''}).", flush=True)
     _live_runs[key] = run
+
+
+def _same_config(a, b) -> bool:
+    """Whether two RunConfigs would start the same server and run (resume aside): only then is
+    the old run's server kept for the new one (a changed one would be left running unused)."""
+    return ({f.name: getattr(a, f.name) for f in fields(a) if f.name != "resume"}
+            == {f.name: getattr(b, f.name) for f in fields(b) if f.name != "resume"})
 
 
 def _holds_lock(run) -> bool:

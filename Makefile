@@ -1,6 +1,7 @@
 # Two commands for a fresh machine (see README):
 #   make demo   set up, then run the quickstart notebook headless (CPU engine + tiny model without a GPU)
 #   make test   set up, then run every test (unit, integration, faults, notebooks, browser, ranks)
+#   make lab    JupyterLab on 127.0.0.1:$(LAB_PORT) (a token in the URL it prints) with this .venv's kernel
 #   make test-faults / test-notebooks / test-ranks / test-main   one suite (see tools/run_tests.sh)
 # Without conda, environments live in .venv/ (kernel) and .venv-server/ (SGLang, GPU boxes only),
 # built from environment-train.yml / environment-server.yml; re-running reuses what is installed.
@@ -11,8 +12,9 @@ PY := $(VENV)/bin/python
 GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo --gpu)
 RUN_DIR ?= runs/demo
 NB_TIMEOUT ?= 900
+LAB_PORT ?= 8888
 
-.PHONY: demo test venv server-env vllm-env browser-deps test-faults test-notebooks test-ranks test-main clean-runs
+.PHONY: demo lab test venv server-env vllm-env browser-deps test-faults test-notebooks test-ranks test-main clean-runs
 
 $(VENV)/.installed: environment-train.yml pyproject.toml tools/yml_requirements.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +24,11 @@ $(VENV)/.installed: environment-train.yml pyproject.toml tools/yml_requirements.
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "artsg_nb (.venv)" >/dev/null
 	touch $@
 
+# In a git checkout, the nbstripout filter strips outputs from notebooks/*.ipynb as they are
+# committed (JupyterLab's autosave writes them into the tracked files); once per clone.
 venv: $(VENV)/.installed
+	@if git rev-parse --git-dir >/dev/null 2>&1 && ! git config --get filter.nbstripout.clean >/dev/null; then \
+		$(VENV)/bin/nbstripout --install && echo "nbstripout git filter installed: notebooks are committed without outputs"; fi
 
 # Server environments for a GPU box without conda (conda users: environment-server.yml /
 # environment-vllm.yml): `make server-env` builds .venv-server/, `make vllm-env` .venv-vllm/.
@@ -41,6 +47,12 @@ browser-deps:
 demo: venv
 	$(if $(GPU),$(MAKE) server-env,)
 	$(PY) -m artsg_nb.demo --run-dir $(RUN_DIR)
+	@echo "Open the notebooks: make lab  (JupyterLab on 127.0.0.1:$(LAB_PORT) with the .venv kernel; from another machine: ssh -L $(LAB_PORT):127.0.0.1:$(LAB_PORT) this-host)"
+
+# The token is JupyterLab's own (printed in the URL, never on a command line other users can read).
+lab: venv
+	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) --ServerApp.open_browser=False \
+		--ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks/01_quickstart.ipynb
 
 # Every suite runs with HOME and every cache in a fresh, empty temporary directory (a new user's
 # machine: the tiny model comes from the repository, SmolLM2 is fetched again), and each suite runs

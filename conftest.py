@@ -25,6 +25,9 @@ LEFTOVER_GRACE_S = 10.0  # servers never exit on their own; a `sleep 5` left by 
 @pytest.hookimpl(specname="pytest_configure")
 def pytest_configure_leftover_check(config):
     os.environ[TEST_SESSION_VAR] = uuid.uuid4().hex  # fresh, even under an outer pytest
+    # A process (a test's stand-in kernel, a notebook's) that exits without stop() stops its
+    # servers at once, as before the grace period existed; tests of the grace set their own.
+    os.environ["ARTSG_SERVER_GRACE_S"] = "0"
 
 
 @pytest.hookimpl(specname="pytest_sessionfinish")

@@ -18,6 +18,7 @@ _EXPORTS = {
     "get_task": "tasks.registry", "list_tasks": "tasks.registry", "register_task": "tasks.registry",
     "resolve_task": "tasks.registry", "Task": "tasks.registry", "Env": "tasks.registry", "StepResult": "tasks.registry",
     "default_model_dir": "models.tiny",
+    "list_servers": "serving.leftovers", "stop_servers": "serving.leftovers",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,7 +2,8 @@
 
 What it does: runs notebooks/01_quickstart.ipynb top to bottom with papermill on whatever the
 machine has (the CPU engine and the offline tiny model without a GPU, SGLang with one), writing
-the executed notebook, history.jsonl, adapters and the training plot into `--run-dir`. It prints
+the executed notebook, history.jsonl, adapters and the training plot into `--run-dir` (an earlier
+demo there, executed notebook included, is first moved to `<run-dir>/archive/<date>/`). It prints
 where everything is and the wall time. It does not change the committed notebook.
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import papermill
+
+from .run.rundir import archive_earlier_run
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_quickstart.ipynb"
 
@@ -26,6 +29,7 @@ def main(argv=None) -> int:
 
     run_dir = Path(a.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    archive_earlier_run(run_dir)  # before papermill writes the new executed notebook there
     out = run_dir / (Path(a.notebook).stem + ".executed.ipynb")
     t0 = time.perf_counter()
     papermill.execute_notebook(a.notebook, str(out), parameters={"RUN_DIR": str(run_dir)},

@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Annotated
 
 import tyro
@@ -41,11 +41,32 @@ from .tasks.registry import Task, UnknownTaskError, list_tasks, resolve_task
 from .rl.trainer import CheckpointError
 
 
+RUN_DIR_OF_TASK = "runs/<task>"
+"""--run-dir's default as --help shows it: runs/ and the task's name (parse_args fills it in)."""
+
+
+@dataclass
+class CliRunConfig(RunConfig):
+    """RunConfig as the command line sees it: the two fields whose notebook help would mislead."""
+
+    task: Annotated[str | Task, tyro.conf.arg(help=(
+        'A registered task name (see --list-tasks) or "package.module:ATTR" naming a Task in an importable '
+        "module (the current directory is on the path), e.g. my_tasks:task for Task.from_dataset(...) in my_tasks.py."
+    ))] = "addition"
+    run_dir: Annotated[str, tyro.conf.arg(help=(
+        "Adapters, checkpoints, history and server logs go here; runs/ and the task's name when not given. "
+        "A used one's earlier run is moved to <run-dir>/archive/<date>/ unless --resume."
+    ))] = RUN_DIR_OF_TASK
+
+    def as_run_config(self) -> RunConfig:
+        return RunConfig(**{f.name: getattr(self, f.name) for f in fields(RunConfig)})
+
+
 @dataclass
 class TrainArgs:
     """GRPO of a LoRA adapter, headless: the notebook's GRPORun from the command line."""
 
-    run: Annotated[RunConfig, tyro.conf.arg(name="")] = field(default_factory=RunConfig)
+    run: Annotated[CliRunConfig, tyro.conf.arg(name="")] = field(default_factory=CliRunConfig)
     steps: int = 10
     """GRPO steps to run."""
     list_tasks: bool = False
@@ -70,10 +91,11 @@ def parse_args(argv=None) -> TrainArgs:
     with _REGISTRY:
         args = tyro.cli(TrainArgs, args=glue_flag_values(argv, ["--server-args"]), prog="python -m artsg_nb.train",
                         description=__doc__.splitlines()[0])
-    args.run = replace(args.run, server_args=split_flags(args.run.server_args))  # "--a b" → ("--a", "b")
-    if not any(a == "--run-dir" or a.startswith("--run-dir=") for a in argv):
-        name = resolve_task(args.run.task).name if ":" in str(args.run.task) else args.run.task
-        args.run = replace(args.run, run_dir=f"runs/{name}")
+    run = replace(args.run.as_run_config(), server_args=split_flags(args.run.server_args))  # "--a b" → ("--a", "b")
+    if run.run_dir == RUN_DIR_OF_TASK:
+        name = resolve_task(run.task).name if ":" in str(run.task) else run.task
+        run = replace(run, run_dir=f"runs/{name}")
+    args.run = run
     return args
 
 

@@ -96,3 +96,12 @@ def test_constant_groups_counts_groups_without_signal():
     assert constant_groups([g(_traj(1.0), _traj(1.0)), g(_traj(0.0), _traj(0.0, "boom"))]) == (2, True)
     # Every rollout failed: not "no signal" (the trainer raises, so the failure is seen).
     assert constant_groups([g(_traj(None, "boom"))]) == (1, False)
+
+
+def test_chat_answers_with_the_served_adapter_and_with_the_base_model(run):
+    """run.chat: the notebook's before/after cell, against the live server (issue 50 item 4)."""
+    asyncio.run(run.step())
+    trained = asyncio.run(run.chat("What is 2+3?", max_new_tokens=6))
+    base = asyncio.run(run.chat([{"role": "user", "content": "What is 2+3?"}], base=True, max_new_tokens=6))
+    assert isinstance(trained, str) and isinstance(base, str)
+    assert trained == asyncio.run(run.chat("What is 2+3?", max_new_tokens=6)), "greedy: the same reply twice"

@@ -139,6 +139,18 @@ def test_cli_flags_come_from_the_dataclasses(user_module):
     assert parse_args([]).run.run_dir == "runs/addition"
 
 
+def test_cli_help_says_what_the_flags_do(capsys, monkeypatch):
+    """Issue 50 item 5: --help said `--run-dir` defaulted to runs/quickstart (a run without it goes to
+    runs/<task>) and that --task takes "a Task object", which no command line can pass."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "(default: 'runs/<task>')" in text and "runs/quickstart" not in text
+    assert "Task object" not in text and '"package.module:ATTR" naming a Task' in text
+    assert type(parse_args([]).run) is RunConfig  # what GRPORun and config.json get
+
+
 def test_cli_server_args_take_server_flags():
     """A server flag as the value (--server-args "--attention-backend triton") is not taken for an
     option of ours, and reaches the server as separate argv items."""

@@ -124,7 +124,7 @@ class RunConfig:
     SGLang needs torch_memory_saver in its environment (sglang pins it). Costs release_s + resume_s
     per step; the prefix cache it flushes is per adapter anyway, so no hits are lost; it buys
     nothing while the trainer fits beside the server. Measured on one H200 (GPU memory in use as
-    training starts 72.8 → 8.2 GiB, step times with and without the saver): README "Results" and
+    training starts 72.8 → 8.2 GiB, step times with and without the saver): benchmarks/results/HISTORY.md and
     benchmarks/results/20261203-h200-gpu-tests.md."""
     release_tags: tuple[str, ...] = ("kv_cache", "cuda_graph")
     """What to release (engines.MEMORY_TAGS). With "weights" the server also keeps a host

@@ -43,9 +43,11 @@ from ..serving.metrics import HitRateTracker
 from ..models.pretrained import base_model_id, built_model_dir
 from .pipeline import SampleAhead
 from ..view.plots import LiveTraining, load_rollouts, plot_training
+from ..view.plots.sample_cards import full_text, show_samples
 from ..serving.procs import RunDirLock
 from .released import train_released
 from .retention import prune_adapters
+from .rundir import archive_earlier_run, resumed_line, stopped_line, take_over
 from ..rollout.groups import collect_groups
 from ..rollout.trajectory import require_rewards, rollout_stats
 from .config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
@@ -134,6 +136,7 @@ class GRPORun:
         trainer, load history and the latest adapter. A failure stops the server it started and
         releases the lock before the error goes up."""
         self.task = resolve_task(self.cfg.task)  # a typo fails before run_dir (and its lock) exists
+        take_over(self)  # a re-run start cell: this kernel's earlier run of run_dir stopped, its server kept
         self._lock.acquire()
         try:
             return self._start()
@@ -143,6 +146,8 @@ class GRPORun:
 
     def _start(self) -> "GRPORun":
         cfg = self.cfg
+        if not cfg.resume:
+            archive_earlier_run(self.run_dir)  # a fresh start never mixes in an earlier run's steps
         self._save_config()
         self.plan = plan_gpus(list_gpus(), num_servers=cfg.num_servers,
                               trainer_ranks=cfg.trainer_ranks if cfg.trainer_ranks > 1 else None)
@@ -182,6 +187,8 @@ class GRPORun:
     def stop(self) -> None:
         """Stop the server (by process group), then the dashboard after one last refresh, so it
         says "stopped"; release run_dir's lock. Saved adapters and history stay in run_dir."""
+        say = self.cfg.verbose and self._lock.held and self.trainer is not None  # once, for a started run
+        server_stopped = self.server is not None
         try:
             if self.sampler is not None:
                 self.sampler.cancel_now()  # rollouts sampled ahead (pipeline.py) must not outlive the server
@@ -191,6 +198,8 @@ class GRPORun:
                 self.server.stop()
             if self._dashboard is not None:
                 self._dashboard.stop(reason="run stopped")
+            if say:
+                print(stopped_line(self.run_dir, self.trainer.step, server_stopped), flush=True)
         finally:
             try:  # whatever failed above: the checkpoint being written lands before the lock goes
                 if self.trainer is not None:
@@ -423,8 +432,29 @@ class GRPORun:
         return (result.summary, result.samples) if return_samples else result.summary
 
     def samples(self, step: int | None = None, k: int | None = None):
-        """Step `step`'s trajectories (None: the newest) as a DataFrame (samples.py), first k rows."""
-        return read_samples(self.run_dir, step, k)
+        """Step `step`'s trajectories (None: the newest) as a DataFrame (samples.py), first k rows;
+        its display shows each completion whole (view.plots.sample_cards.FullTextFrame)."""
+        return full_text(read_samples(self.run_dir, step, k))
+
+    def show_samples(self, k: int = 4, step: int | None = None, worst: bool = False) -> None:
+        """Show k samples of `step` (None: the newest) whole, best reward first (`worst`: worst
+        first): prompt, completion, reward and its parts, finish reason. HTML in a notebook, text elsewhere."""
+        show_samples(read_samples(self.run_dir, step), k, worst)
+
+    async def chat(self, messages, base: bool = False, max_new_tokens: int | None = None,
+                   temperature: float = 0.0) -> str:
+        """The reply of the trainer's newest adapter (served first if a step of `run()` left it;
+        `base=True`: the base model's) to `messages` (a chat list, or one user message as a
+        string); greedy unless `temperature`. Nothing is trained or recorded."""
+        if self.trainer is None:
+            raise RuntimeError("call start() before chat()")
+        messages = [{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages)
+        await self.serve_initial()
+        await self._serve_newest()
+        params = SamplingParams(max_new_tokens=max_new_tokens or self.cfg.max_new_tokens or self.task.max_new_tokens,
+                                temperature=temperature)
+        answer = await self.client.chat(messages, params, adapter=None if base else self.adapter, logprobs=False)
+        return answer["choices"][0]["message"]["content"]
 
     def export(self, path, merge: bool = False) -> Path:
         """The trainer's newest adapter (the served one, or one a step of `run()` left to serve) as a
@@ -465,6 +495,8 @@ class GRPORun:
         self.trainer.load_checkpoint(version.path)
         self.history.truncate(self.trainer.step)
         log.info("resumed %s at step %d", self.run_dir, self.trainer.step)
+        if self.cfg.verbose:
+            print(resumed_line(self.run_dir, self.trainer.step, version.name), flush=True)
         return version
 
     def _skip_update(self, n_constant: int):

@@ -5,7 +5,8 @@ server and every worker it forks) with stdout+stderr going to a log file; `stop_
 SIGTERM to the group, waits, then SIGKILL; `ProcessRecord` is the JSON record of a running
 server, written both to `<run_dir>/<engine>.server.json` and to a global directory
 (`$ARTSG_STATE_DIR`, default `~/.cache/artsg_nb/servers`); `reap_orphans` stops servers whose
-owning kernel died (but for those a caller is about to adopt). Records hold the server's API key
+owning kernel died (but for those a caller is about to adopt, and those a cleanly exited kernel
+left for the next one until their `keep_until`: leftovers.py). Records hold the server's API key
 (adopting a server needs it), so they are written 0600 whatever the umask, atomically; the log
 too is created 0600 (SGLang prints its arguments, key included). `RunDirLock` is the one-writer
 lock of a run directory (flock on `<run_dir>/.lock`, released by the OS when its process dies).
@@ -169,6 +170,9 @@ class ProcessRecord:
     """Records from another machine (a shared home directory) are left alone."""
     api_key: str | None = field(default=None, repr=False)
     """The server's API key: a later kernel needs it to adopt the server. Why records are 0600."""
+    keep_until: float | None = None
+    """Epoch seconds: its kernel exited cleanly and left it running until then for the next kernel
+    to adopt (leftovers.keep_for_next_kernel); reap_orphans leaves it alone until then."""
 
     @classmethod
     def of_child(cls, pid: int, **fields) -> "ProcessRecord":
@@ -241,6 +245,8 @@ def reap_orphans(keep: tuple[int, float] | None = None) -> list[ProcessRecord]:
             continue
         if rec.hostname != here or rec.owner_alive() or (rec.pid, rec.create_time) == keep:
             continue
+        if rec.keep_until is not None and rec.keep_until > time.time() and rec.server_alive():
+            continue  # kept for the next kernel after a clean exit; its watcher stops it in time
         started = create_time(rec.pid)  # None: gone; else ours only if the create time matches
         ours_or_gone = started is None or abs(started - rec.create_time) < 0.01
         if ours_or_gone and group_members(rec.pgid):

@@ -10,9 +10,10 @@ when start-up fails. A re-run cell with the same config gets the same live serve
 Each server is recorded on disk (procs.py); after a kernel restart, starting the same config
 adopts the dead kernel's live server (its key read from the 0600 record, checked on an
 authenticated route) instead of a cold start, and other orphans of dead kernels are stopped.
-Servers this process started or adopted are stopped at exit.
+Servers this process started or adopted are stopped by `stop()`; at a clean exit without it they
+are kept for a grace period for the next kernel to adopt (leftovers.py), then stopped.
 
-Security (README "Security"): every server requires a random API key by default
+Security (docs/security.md): every server requires a random API key by default
 (`api_key="auto"`, a fresh `secrets.token_urlsafe(32)` per start); `api_key=None` turns it off,
 with a warning. The key goes to the server by environment variable (EngineSpec.api_key_env),
 never on the command line, which every local user can read. Extra flags from
@@ -43,7 +44,7 @@ from tqdm.auto import tqdm
 
 from ..files import log_tail
 from .. import engines
-from . import gpus, procs
+from . import gpus, leftovers, procs
 from ..engines import EngineClient
 from .procs import reap_orphans  # noqa: F401  (public here too)
 from .server_config import (TARGET_MODULES, ModelPathError, ServerConfig, ServerError, ignored_options,
@@ -60,7 +61,8 @@ _HINTS = [
      "enable_memory_saver=True needs the torch_memory_saver package in the server environment "
      "(offline GPU bundle: .whl-tms, tools/gpu/README.md); or start without it"),
     (("out of memory", "outofmemoryerror", "not enough memory"),
-     "lower mem_fraction, or free GPU memory (nvidia-smi shows who holds it)"),
+     "lower mem_fraction, or free GPU memory (nvidia-smi shows who holds it; `python -m artsg_nb.servers list` "
+     "shows servers kept after a kernel exit or left by a killed one, `... stop` stops them)"),
     (("no module named", "modulenotfounderror", "importerror"),
      "the server environment lacks a package: check find_server_env() and ARTSG_SERVER_PYTHONPATH"),
     (("unrecognized arguments", "ambiguous option", "invalid choice", "error: argument"),
@@ -465,7 +467,20 @@ def stop_all() -> None:
             server.stop(timeout_s=5)
 
 
-atexit.register(stop_all)
+def _at_exit() -> None:
+    """A clean exit (a kernel restart) keeps this process's servers for the next kernel to adopt,
+    for leftovers.exit_grace_s() (then a watcher stops them); with a grace of 0 they stop now."""
+    grace = leftovers.exit_grace_s()
+    for server in list(_LIVE):
+        if server.record is None or server.record.owner_pid != os.getpid():  # not in a fork
+            continue
+        if grace > 0 and server.alive():
+            server.record = leftovers.keep_for_next_kernel(server.record, grace)
+        else:
+            server.stop(timeout_s=5)
+
+
+atexit.register(_at_exit)
 
 
 def _end_bar(bar, ok: bool) -> None:

@@ -117,3 +117,11 @@ def test_a_cpu_run_shows_the_path_its_client_took(tmp_path, tiny_model_dir, warm
     assert f"of {rows[-1]['hit_rate_reachable']:.2f} reachable" in line and f"({path})" in line
     ax = plot_hit_rate(run.history.df)
     assert any(path.split()[0] in t.get_text() for t in ax.texts)
+
+
+def test_a_misspelt_prompt_warm_up_is_refused_when_the_config_is_built():
+    from artsg_nb import RunConfig
+    from artsg_nb.run.config_checks import ConfigError
+
+    with pytest.raises(ConfigError, match="did you mean 'always'"):
+        RunConfig(engine="cpu", prompt_warm_up="alway")

@@ -67,8 +67,11 @@ def check_config(cfg) -> None:
                               if isinstance(value, str) else f"{name}={value!r}: give a tuple of strings")
     if not isinstance(cfg.grpo, GRPOConfig):
         raise ConfigError(f"grpo={cfg.grpo!r} is a {type(cfg.grpo).__name__}; give a GRPOConfig(...)")
-    if cfg.release_memory not in (True, False, "auto"):
-        raise ConfigError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto'")
+    if cfg.release_memory not in (True, False, "auto", "if_needed"):
+        raise ConfigError(f"release_memory={cfg.release_memory!r}; use True, False, 'auto' or 'if_needed'")
+    if cfg.prompt_warm_up not in engines.PROMPT_WARM_UPS:
+        raise ConfigError(f"prompt_warm_up={cfg.prompt_warm_up!r}; use one of {', '.join(map(repr, engines.PROMPT_WARM_UPS))}"
+                          f"{closest(cfg.prompt_warm_up, engines.PROMPT_WARM_UPS)}")
     engines.memory_tags(cfg.release_tags)  # a typo in a tag names the known ones
     if cfg.group_size == 1:
         warnings.warn("group_size=1: GRPO scores each completion against the others of its prompt; with one "

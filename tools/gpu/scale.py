@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     deadline = time.monotonic() + a.limit_s
-    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": a.model, "gpu": ", ".join(g.name for g in list_gpus()),
+    record = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": os.environ.get("ARTSG_COMMIT"), "model": a.model, "gpu": ", ".join(g.name for g in list_gpus()),
               "config": json.loads((Path(a.model) / "config.json").read_text()), "legs": []}
     t0 = time.monotonic()
     cfg = RunConfig(model_path=a.model, run_dir=a.run_dir, task="addition_chat", groups_per_step=16, group_size=8)

@@ -138,3 +138,26 @@ def test_hit_rate_from_server_counters(engine, client, tiny_tokenizer):
     after = cache_counters(run(client.metrics_text()), "sglang")
     assert after.prompt_tokens - before.prompt_tokens >= 3 * len(ids) - 3
     assert after.cached_tokens > before.cached_tokens
+
+
+@pytest.mark.parametrize("warm_up, submission", [("always", "warm-up first"), ("never", "prefilled together")])
+def test_what_each_sample_reads_from_the_cache_is_what_its_submission_says(engine, client, tiny_tokenizer,
+                                                                        warm_up, submission):
+    """The reachable hit rate a step shows (serving/metrics.py) rests on this: after a warm-up every
+    sample reads the prompt less its last token from the cache; copies prefilled together read
+    nothing. Real SGLang only: the CPU engine prefills a batch's copies one after another."""
+    name, _, paths = engine
+    if name != "sglang":
+        pytest.skip("the CPU engine prefills a batch's copies in order (SGLang: together)")
+    adapter = f"sub-{warm_up}"
+    run(client.load_adapter(adapter, paths["a"]))
+    try:
+        client.prompt_warm_up = warm_up
+        ids = _prompt(tiny_tokenizer, f"a prompt sent with prompt_warm_up={warm_up} " * 4)
+        gens = run(client.generate(ids, SamplingParams(max_new_tokens=2, n=4), adapter=adapter))
+    finally:
+        client.prompt_warm_up = "auto"
+        run(client.unload_adapter(adapter))
+    assert [g.submission for g in gens] == [submission] * 4
+    expected = len(ids) - 1 if warm_up == "always" else 0
+    assert [g.cached_tokens for g in gens] == [expected] * 4

@@ -50,9 +50,11 @@ demo: venv
 	@echo "Open the notebooks: make lab  (JupyterLab on 127.0.0.1:$(LAB_PORT) with the .venv kernel; from another machine: ssh -L $(LAB_PORT):127.0.0.1:$(LAB_PORT) this-host)"
 
 # The token is JupyterLab's own (printed in the URL, never on a command line other users can read).
+# As root (a GPU container), JupyterLab refuses to start without --allow-root.
 lab: venv
 	$(PY) -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(LAB_PORT) --ServerApp.open_browser=False \
-		--ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks/01_quickstart.ipynb
+		--ServerApp.root_dir=$(CURDIR) --LabApp.default_url=/lab/tree/notebooks/01_quickstart.ipynb \
+		$(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # Every suite runs with HOME and every cache in a fresh, empty temporary directory (a new user's
 # machine: the tiny model comes from the repository, SmolLM2 is fetched again), and each suite runs

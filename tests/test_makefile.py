@@ -60,6 +60,7 @@ def test_make_lab_binds_loopback_with_the_venvs_python_and_no_token_on_its_comma
     assert ".venv/bin/python -m jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=8888" in command
     assert "token" not in command.lower() and "notebooks/01_quickstart.ipynb" in command
     assert "--ServerApp.port=9999" in make(checkout, "-n", "lab", "LAB_PORT=9999")
+    assert ("--allow-root" in command) == (os.getuid() == 0)  # JupyterLab refuses root without it
 
 
 def test_make_demo_ends_by_saying_how_to_open_the_notebooks(checkout):

@@ -17,6 +17,8 @@ What it does not do: lock the directory (serving.procs.RunDirLock), resume a run
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 import weakref
 from dataclasses import fields
@@ -90,8 +92,11 @@ def take_over(run) -> None:
         kept = isinstance(server, Server) and server.alive() and _same_config(old.cfg, run.cfg)
         if kept:
             old.server = None  # old.stop() leaves it running; start_server gives it to the new run
-        old.stop()
-        print(f"{run.run_dir}: took over from the run this kernel started there earlier (stopped it"
+        step = getattr(getattr(old, "trainer", None), "step", None)
+        with contextlib.redirect_stdout(io.StringIO()):  # its own "stopped ..." line: this one says it
+            old.stop()
+        at = f" at step {step}" if step is not None else ""
+        print(f"{run.run_dir}: took over from the run this kernel started there earlier (stopped it{at}"
               f"{', kept its server' if kept else ''}).", flush=True)
     _live_runs[key] = run
 

@@ -109,6 +109,9 @@ OUT=${OUT:-/tmp/artsg-out}; mkdir -p "$OUT" /tmp/models
 export ARTSG_SGLANG_ARGS=${ARTSG_SGLANG_ARGS:-"--attention-backend triton --sampling-backend pytorch --grammar-backend none --cuda-graph-max-bs 128"}
 export ARTSG_VLLM_ARGS=${ARTSG_VLLM_ARGS:-"--attention-backend TRITON_ATTN"}
 export ARTSG_CACHE=/tmp/artsg-cache PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+# phases share one GPU one after another: a phase that exits without stop() must not leave its
+# server holding GPU memory for the next (a kernel's clean exit keeps it 600 s by default)
+export ARTSG_SERVER_GRACE_S=${ARTSG_SERVER_GRACE_S:-0}
 TINY=/tmp/models/tiny; BIG=/tmp/models/0.5b; SMOL=/tmp/models/smollm2
 FAILS=0
 

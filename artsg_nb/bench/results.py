@@ -3,7 +3,8 @@
 What it does
 - `COLUMNS`: one row per engine x radix x schedule x mode x repeat (benchmarks/README.md says what
   each column means); `results_frame(rows)` fills in the columns derived across rows, and
-  `save_results` writes the CSV (default benchmarks/results/<date>-<engine>-<hardware>.csv).
+  `save_results` writes the CSV (default runs/bench/<date>-<engine>-<hardware>.csv: a benchmark you
+  run goes under runs/, and into the tracked benchmarks/results/ only when `--out` puts it there).
 - `load_results(dir)`, `latest_results(df)`, `result_sources(df)`, `results_table(df)`: committed
   benchmark CSVs (`gpu` is accepted for `hardware`) with the file each row came from and a
   `workload` label per shape (`label_workloads`), the newest file per engine and workload, where
@@ -51,7 +52,7 @@ def results_frame(rows: list[dict]) -> pd.DataFrame:
 
 
 def save_results(df: pd.DataFrame, out: str | os.PathLike | None, engine: str) -> Path:
-    """Write `df` to `out` (None: benchmarks/results/<date>-<engine>-<hardware>.csv); the path."""
+    """Write `df` to `out` (None: runs/bench/<date>-<engine>-<hardware>.csv); the path."""
     path = Path(out) if out else _default_path(df, engine)
     path.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(path, index=False)
@@ -61,7 +62,11 @@ def save_results(df: pd.DataFrame, out: str | os.PathLike | None, engine: str) -
 def _default_path(df: pd.DataFrame, engine: str) -> Path:
     hw = str(df["hardware"].iloc[0]) if len(df) else "unknown"
     slug = "".join(c if c.isalnum() else "-" for c in hw.lower()).strip("-")
-    return Path("benchmarks/results") / f"{datetime.now():%Y%m%d-%H%M}-{engine}-{slug}.csv"
+    return BENCH_RUNS / f"{datetime.now():%Y%m%d-%H%M}-{engine}-{slug}.csv"
+
+
+BENCH_RUNS = Path("runs/bench")
+"""Where a benchmark's CSV goes unless --out says otherwise (runs/ is not tracked)."""
 
 
 SUMMARY = ["engine", "mode", "schedule", "radix", "wall_s", "out_tok_s", "ttft_p50_s", "e2e_p50_s",

@@ -96,7 +96,7 @@ class BenchConfig:
     """Extra server command-line arguments (e.g. the GPU bundle's --attention-backend triton);
     empty takes $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS, as every start_server does (server.with_env_args)."""
     out: str | None = None
-    """CSV path; None: benchmarks/results/<date>-<engine>-<hardware>.csv."""
+    """CSV path; None: runs/bench/<date>-<engine>-<hardware>.csv (results.BENCH_RUNS)."""
     flags: tyro.conf.Suppress[str] = ""
     """The command line, recorded in each row (set by the CLI)."""
     workload: str | None = None

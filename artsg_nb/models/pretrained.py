@@ -315,6 +315,15 @@ def base_model_id(spec: str | os.PathLike) -> str:
     return REGISTRY[text].hub_id or text if text in REGISTRY else text
 
 
+BUILT_HERE = {
+    "tiny": "the offline tiny model, trained here from scratch in minutes (python -m artsg_nb.models tiny [DIR]; "
+            "the repository ships one: artsg_nb/models/shipped/)",
+    "random": "a benchmark model: random weights at a real shape, rewards meaningless "
+              "(python -m artsg_nb.models random --shape 1.5b|7b|14b DIR)",
+}
+"""What `--list` names beside the registered models: the builds of models/tiny.py and random_model.py."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m artsg_nb.models", description=__doc__.split("\n")[0])
     p.add_argument("name", nargs="?", help="registered model (see --list)")
@@ -324,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.list:
         for name, spec in sorted(REGISTRY.items()):
             print(f"{name:24s} {spec.about} [{spec.package}=={spec.version}]")
+        for name, about in BUILT_HERE.items():
+            print(f"{name:24s} {about}")
         return 0
     if a.name is None:
         p.error("give a model name (see --list)")

@@ -57,3 +57,19 @@ def test_results_table_averages_toolkit_repeats(tmp_path):
     assert naive["out_tok_s"].iloc[0] == pytest.approx(150.0)  # (100 + 200) / 2; the raw row is left out
     assert naive["hit_rate"].iloc[0] == pytest.approx(0.5)
     assert len(table) == 2 and not math.isnan(table["hit_rate_theoretical"].iloc[0])
+
+
+def test_a_benchmark_without_out_writes_under_runs_not_into_the_tracked_results(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = results.save_results(pd.DataFrame({"hardware": ["cpu x2"], "engine": ["cpu"]}), None, "cpu")
+    assert path.parts[:2] == ("runs", "bench") and path.exists()
+    assert not (tmp_path / "benchmarks").exists()
+
+
+def test_models_list_names_what_is_built_here_too():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "artsg_nb.models", "--list"], capture_output=True, text=True, check=True)
+    names = [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+    assert {"smollm2-135m-instruct", "tiny", "random"} <= set(names)

@@ -49,8 +49,9 @@
 #   smollm2     SmolLM2-135M-Instruct built by `python -m artsg_nb.models` from the GGUF that install.sh
 #               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)
 #   random-models  the random-weight benchmark models of issue 48's jobs, built on the GPU with SmolLM2's
-#               tokenizer (after the smollm2 phase): /tmp/models/random-llama-1.5b and -7b (RANDOM_SHAPES
-#               "1.5b 7b"; ~20-40 s for a 7B). Their rewards mean nothing: they measure speed
+#               tokenizer (/tmp/models/smollm2 after the smollm2 phase, else a tokenizer folder in .tok/smollm2;
+#               RANDOM_TOKENIZER: another): /tmp/models/random-llama-1.5b and -7b (RANDOM_SHAPES "1.5b 7b";
+#               ~20-40 s for a 7B). Their rewards mean nothing: they measure speed
 #   stepbench   python -m artsg_nb.bench.step: artsg_nb on SGLang (RunConfig defaults, synchronous) vs TRL's
 #               GRPOTrainer in its fast path (trl_vllm: vLLM colocated, from /tmp/vsite after the kernel's
 #               packages: carry the three .vllm-bundle parts first) and with plain generate (trl), same job,
@@ -144,8 +145,10 @@ for p in "$@"; do
     tiny)        phase tiny 240 python3 -m artsg_nb.models tiny $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
     random-models)
+                 TOK=${RANDOM_TOKENIZER:-$SMOL}; [[ -f $TOK/tokenizer_config.json ]] || TOK=$PWD/.tok/smollm2
                  phase random-models 300 bash -c "for s in ${RANDOM_SHAPES:-1.5b 7b}; do python3 -m artsg_nb.models random \
-                   --shape \$s /tmp/models/random-llama-\$s --tokenizer $SMOL || exit 1; done" ;;
+                   --shape \$s /tmp/models/random-llama-\$s --tokenizer $TOK || exit 1; done"
+                 grep -E '^built|^/tmp' "$OUT/random-models.log" | sed 's/^/    /' ;;
     stepbench|stepbench-pipe)
                  STEP_ARGS="--frameworks ${STEP_FRAMEWORKS:-artsg_nb trl_vllm trl} --pipeline ${STEP_PIPELINE:-False}"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"
                  STEP_JOB_ARGS="--model-path $SMOL --max-new-tokens ${STEP_TOKENS:-8 256}"

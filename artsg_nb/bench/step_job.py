@@ -80,7 +80,7 @@ class StepBenchConfig:
     for one budget), run in the order given into one CSV. Their models come from `models_dir`."""
     models_dir: str | None = None
     """Where the named jobs' models are: <models_dir>/smollm2 (else the registered build) and
-    <models_dir>/random-llama-<shape>, built there when missing (`python -m artsg_nb.models random`,
+    <models_dir>/random-<shape>, built there when missing (`python -m artsg_nb.models random`,
     SmolLM2's tokenizer); None: the cache."""
     vllm_gpu_memory_utilization: float | None = None
     """TRL's fast path: vLLM's share of the GPU; None: TRL_VLLM_MEMORY by the model's size."""
@@ -244,8 +244,8 @@ def job_label(cfg: StepBenchConfig) -> str:
 # ---------------------------------------------------------------------------- named jobs
 JOBS: dict[str, tuple[str, tuple[int, ...]]] = {
     "smollm2": ("smollm2", (8, 256)),
-    "1.5b": ("random-llama-1.5b", (256, 1024)),
-    "7b": ("random-llama-7b", (256, 1024)),
+    "1.5b": ("random-1.5b", (256, 1024)),
+    "7b": ("random-7b", (256, 1024)),
 }
 """Issue 48's jobs: name → (model, new-token budgets). "smollm2" is SmolLM2-135M-Instruct; the others
 random-weight benchmark models at real shapes (models/random_model.py: their rewards mean nothing,
@@ -271,7 +271,7 @@ def job_model_dir(name: str, models_dir: str | None) -> str:
     smol_dir = str(smol) if smol is not None and (smol / "config.json").is_file() else None
     if name == "smollm2":
         return smol_dir or built_model_dir(SMOLLM2)
-    shape = name.removeprefix("random-llama-")
+    shape = name.removeprefix("random-")
     out = Path(models_dir) / name if models_dir else default_out_dir(shape, "llama", 0)
     if not (out / ".complete").is_file():
         tokenizer = smol_dir or built_model_dir(SMOLLM2)

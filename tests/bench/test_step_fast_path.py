@@ -186,10 +186,10 @@ def test_ratios_against_both_trl_modes_name_each_mode():
 
 def test_ratios_of_several_models_compare_each_model_with_its_own_trl_rows():
     rows = [bench_row("artsg_nb", 256, model="smollm2", step_s=1.0), bench_row("trl_vllm", 256, model="smollm2", step_s=2.0),
-            bench_row("artsg_nb", 256, model="random-llama-7b", step_s=5.0),
-            bench_row("trl_vllm", 256, model="random-llama-7b", step_s=10.0)]
+            bench_row("artsg_nb", 256, model="random-7b", step_s=5.0),
+            bench_row("trl_vllm", 256, model="random-7b", step_s=10.0)]
     r = step_ratios(pd.DataFrame(rows))
-    assert r.loc[("random-llama-7b", 256, False), "speedup_vs_trl_vllm"] == pytest.approx(2.0)
+    assert r.loc[("random-7b", 256, False), "speedup_vs_trl_vllm"] == pytest.approx(2.0)
     assert r.loc[("smollm2", 256, False), "trl_vllm_step_s"] == 2.0
 
 
@@ -197,7 +197,7 @@ def test_ratios_of_several_models_compare_each_model_with_its_own_trl_rows():
 def test_jobs_run_each_model_at_its_budgets_into_one_csv(vllm_site, tmp_path, monkeypatch):
     models = tmp_path / "models"
     config_dir(models, "smollm2", **SEVEN_B)
-    config_dir(models, "random-llama-7b", **SEVEN_B)
+    config_dir(models, "random-7b", **SEVEN_B)
     calls = []
 
     def fake_leg(cfg, framework, max_new, pipeline=False):
@@ -210,11 +210,11 @@ def test_jobs_run_each_model_at_its_budgets_into_one_csv(vllm_site, tmp_path, mo
                            "--frameworks", "artsg_nb", "trl_vllm", "--pipeline", "False", "--out", str(out), "--no-isolate",
                            "--no-merge"])
     step.run_jobs(cfg)
-    assert calls == [("smollm2", "artsg_nb", 8), ("smollm2", "trl_vllm", 8), ("random-llama-7b", "artsg_nb", 256),
-                     ("random-llama-7b", "trl_vllm", 256), ("random-llama-7b", "artsg_nb", 1024),
-                     ("random-llama-7b", "trl_vllm", 1024)]
+    assert calls == [("smollm2", "artsg_nb", 8), ("smollm2", "trl_vllm", 8), ("random-7b", "artsg_nb", 256),
+                     ("random-7b", "trl_vllm", 256), ("random-7b", "artsg_nb", 1024),
+                     ("random-7b", "trl_vllm", 1024)]
     saved = pd.read_csv(out)
-    assert len(saved) == 6 and set(saved["model"]) == {"smollm2", "random-llama-7b"}  # --no-merge: only the first job
+    assert len(saved) == 6 and set(saved["model"]) == {"smollm2", "random-7b"}  # --no-merge: only the first job
     with pytest.raises(ValueError, match="--jobs or --model-path"):
         step.run_jobs(dataclasses.replace(cfg, model_path="x"))
     with pytest.raises(ValueError, match="known: smollm2, 1.5b, 7b"):
@@ -225,8 +225,8 @@ def test_a_missing_random_model_is_built_in_a_process_of_its_own(tmp_path, monke
     config_dir(tmp_path, "smollm2", **SEVEN_B)
     commands = []
     monkeypatch.setattr(step_job.subprocess, "run", lambda cmd, check: commands.append(cmd))
-    assert step_job.job_model_dir("random-llama-1.5b", str(tmp_path)) == str(tmp_path / "random-llama-1.5b")
-    assert commands[0][1:] == ["-m", "artsg_nb.models", "random", "--shape", "1.5b", str(tmp_path / "random-llama-1.5b"),
+    assert step_job.job_model_dir("random-1.5b", str(tmp_path)) == str(tmp_path / "random-1.5b")
+    assert commands[0][1:] == ["-m", "artsg_nb.models", "random", "--shape", "1.5b", str(tmp_path / "random-1.5b"),
                                "--tokenizer", str(tmp_path / "smollm2")]
     assert step_job.job_model_dir("smollm2", str(tmp_path)) == str(tmp_path / "smollm2") and len(commands) == 1
 
@@ -263,4 +263,27 @@ def test_summary_says_which_trl_mode_each_ratio_is_against(capsys):
 
 
 def test_random_model_names_match_the_jobs():
-    assert {JOB[0].removeprefix("random-llama-") for JOB in step_job.JOBS.values() if JOB[0] != "smollm2"} <= set(rm.SHAPES["llama"])
+    assert {JOB[0].removeprefix("random-") for JOB in step_job.JOBS.values() if JOB[0] != "smollm2"} <= set(rm.SHAPES["llama"])
+
+
+# ---- the real fast path (GPU host with the vLLM bundle: `pytest -m vllm tests/bench/test_step_fast_path.py`) ----
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_trl_fast_path_leg_runs_for_real(tmp_path):
+    """Two steps of TRL + vLLM colocated on the 0.5b random model (vLLM's kernels take its head dim 64),
+    in a leg process of its own as the benchmark runs it: a row with the fast path's engine, its
+    reload (the weight sync) and the card's floors. Marked vllm, not gpu: the smoke's GPU tests part
+    (`-m "gpu or sglang"`) has no time for a vLLM start."""
+    from conftest import nvidia_gpu_missing
+    from artsg_nb.models.tiny import default_model_dir
+
+    cfg = step.StepBenchConfig(engine="sglang", frameworks=("trl_vllm",), max_new_tokens=(8,), steps=2, groups=2,
+                               group_size=2, pipeline=(False,), run_dir=str(tmp_path / "runs"), out=str(tmp_path / "step.csv"))
+    if nvidia_gpu_missing() or not step.vllm_installed(cfg):
+        pytest.skip(nvidia_gpu_missing() or "vllm is not importable (carry the .vllm-bundle parts: tools/gpu/install.sh)")
+    cfg = dataclasses.replace(cfg, model_path=str(default_model_dir("0.5b")))
+    step.run_step_bench(cfg)  # the leg in a process of its own, vLLM's site on its PYTHONPATH
+    row = pd.read_csv(cfg.out).iloc[0]
+    assert (row.framework, row.engine, row.steps) == ("trl_vllm", "vllm-colocate", 2)
+    assert row.step_s_median > row.rollout_s_median > 0 and row.reload_s_median >= 0 and row.start_s > 0
+    assert math.isfinite(row.decode_floor_s) and math.isfinite(row.train_floor_s)

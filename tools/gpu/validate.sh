@@ -50,7 +50,7 @@
 #               assembled from .gguf/p1 + .gguf/p2 (/tmp/models/smollm2)
 #   random-models  the random-weight benchmark models of issue 48's jobs, built on the GPU with SmolLM2's
 #               tokenizer (/tmp/models/smollm2 after the smollm2 phase, else a tokenizer folder in .tok/smollm2;
-#               RANDOM_TOKENIZER: another): /tmp/models/random-llama-1.5b and -7b (RANDOM_SHAPES "1.5b 7b";
+#               RANDOM_TOKENIZER: another): /tmp/models/random-1.5b and -7b, as the scale phase names them (RANDOM_SHAPES "1.5b 7b";
 #               ~20-40 s for a 7B). Their rewards mean nothing: they measure speed
 #   stepbench   python -m artsg_nb.bench.step: artsg_nb on SGLang (RunConfig defaults, synchronous) vs TRL's
 #               GRPOTrainer in its fast path (trl_vllm: vLLM colocated, from /tmp/vsite after the kernel's
@@ -146,8 +146,8 @@ for p in "$@"; do
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
     random-models)
                  TOK=${RANDOM_TOKENIZER:-$SMOL}; [[ -f $TOK/tokenizer_config.json ]] || TOK=$PWD/.tok/smollm2
-                 phase random-models 300 bash -c "for s in ${RANDOM_SHAPES:-1.5b 7b}; do python3 -m artsg_nb.models random \
-                   --shape \$s /tmp/models/random-llama-\$s --tokenizer $TOK || exit 1; done"
+                 phase random-models 300 bash -c "for s in ${RANDOM_SHAPES:-1.5b 7b}; do [[ -f /tmp/models/random-\$s/.complete ]] || \
+                   python3 -m artsg_nb.models random --shape \$s /tmp/models/random-\$s --tokenizer $TOK || exit 1; done"
                  grep -E '^built|^/tmp' "$OUT/random-models.log" | sed 's/^/    /' ;;
     stepbench|stepbench-pipe)
                  STEP_ARGS="--frameworks ${STEP_FRAMEWORKS:-artsg_nb trl_vllm trl} --pipeline ${STEP_PIPELINE:-False}"; [[ $p == stepbench-pipe ]] && STEP_ARGS="--frameworks artsg_nb --pipeline True"

@@ -68,7 +68,8 @@ def check_config(cfg) -> None:
     if not isinstance(cfg.grpo, GRPOConfig):
         raise ConfigError(f"grpo={cfg.grpo!r} is a {type(cfg.grpo).__name__}; give a GRPOConfig(...)")
     if cfg.release_memory not in (True, False, "auto", "if_needed"):
-        raise ConfigError(f"release_memory={cfg.release_memory!r}; use True, False, 'auto' or 'if_needed'")
+        raise ConfigError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto' (or 'if_needed', the "
+                          "default: only where the model would not fit one shared GPU without it)")
     if cfg.prompt_warm_up not in engines.PROMPT_WARM_UPS:
         raise ConfigError(f"prompt_warm_up={cfg.prompt_warm_up!r}; use one of {', '.join(map(repr, engines.PROMPT_WARM_UPS))}"
                           f"{closest(cfg.prompt_warm_up, engines.PROMPT_WARM_UPS)}")

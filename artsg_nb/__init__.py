@@ -1,9 +1,12 @@
 """artsg_nb: GRPO of LoRA adapters from a notebook, with rollouts served by SGLang.
 
 The names a notebook needs are re-exported here (imported lazily, so `import artsg_nb` stays
-cheap and touches no CUDA); everything else is reachable by module.
+cheap and touches no CUDA); everything else is reachable by module. Inside IPython, the toolkit's
+own errors are shown as their message and hint, not the whole traceback (notebook_errors.py).
 """
 from importlib import import_module as _import_module
+
+from . import notebook_errors as _notebook_errors
 
 __version__ = "0.1.0"
 
@@ -33,3 +36,6 @@ def __getattr__(name):
     if name in _EXPORTS:
         return getattr(_import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module 'artsg_nb' has no attribute {name!r}")
+
+
+_notebook_errors.register()

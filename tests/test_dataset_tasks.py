@@ -129,7 +129,7 @@ def test_reward_kwargs_match_trl(tiny_tokenizer):
         log_metric("spy", 1.0)
         return [float(c == a) for c, a in zip(completions, answer)]
 
-    text_task = Task.from_dataset(rows(3, chat=False), reward_funcs=[spy])
+    text_task = Task.from_dataset(rows(3, chat=False), reward_funcs=[spy], dry_run=False)  # calls counted below
     [seed] = text_task.group_seeds(0, 3, 1)  # step 3: two optimizer steps done before it
     groups = play(text_task, tiny_tokenizer, ["3"], [seed], group_size=3)
     assert len(calls) == 1, "reward functions are called once per group"
@@ -140,7 +140,7 @@ def test_reward_kwargs_match_trl(tiny_tokenizer):
     assert all(ids == tiny_tokenizer.encode("3", add_special_tokens=False) for ids in c["ids"])
     assert [t.reward for t in groups[0].trajectories] == [float(row == 2)] * 3
     assert text_task.source.logged == {"spy": [1.0]}
-    chat_task = Task.from_dataset(rows(3), reward_funcs=[spy])
+    chat_task = Task.from_dataset(rows(3), reward_funcs=[spy], dry_run=False)
     play(chat_task, tiny_tokenizer, ["3"], [0], group_size=2)
     assert calls[1]["completions"] == [[{"role": "assistant", "content": "3"}]] * 2
     assert calls[1]["prompts"][0] == [{"role": "user", "content": f"What is {chat_task.make_env(0).row} + 1?"}]
@@ -194,7 +194,9 @@ def test_a_failing_reward_function_is_recorded_on_every_member(tiny_tokenizer, b
             raise KeyError("solution")
         return [1.0]
 
-    task = Task.from_dataset(rows(2), reward_funcs=[const(1.0), broken])
+    # dry_run=False: a function that always raises is refused when built (test_reward_function_checks);
+    # one that raises on some completions only gets here
+    task = Task.from_dataset(rows(2), reward_funcs=[const(1.0), broken], dry_run=False)
     groups = play(task, tiny_tokenizer, ["a"], [0, 1], group_size=3)
     trajs = [t for g in groups for t in g.trajectories]
     assert all(t.reward is None and not t.valid and "'broken'" in t.reward_error for t in trajs)

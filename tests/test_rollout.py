@@ -441,7 +441,8 @@ def test_engine_failures_are_recorded(cpu_engine):
     task = get_task("addition")
     [group] = _collect(server, _FlakyTask(task), tok, [3], 4, _params(task))
     assert len(group.valid) == 2
-    assert [t.error for t in group.trajectories if t.error] == ["ZeroDivisionError: reward fn bug"] * 2
+    assert [t.error for t in group.trajectories if t.error] == [
+        "EnvError: env.step of task '_FlakyTask' raised ZeroDivisionError: reward fn bug"] * 2  # named as the env's
     groups = _collect(server, task, tok, [3], 2, _params(task), adapter="no-such-adapter")
     errors = [t.error for t in groups[0].trajectories]
     assert all(e and "no-such-adapter" in e for e in errors) and groups[0].valid == []

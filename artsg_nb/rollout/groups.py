@@ -10,7 +10,10 @@ What it does
   `token_ids = prompt + (model tokens, env tokens)*` and `completion_mask` is 1 exactly on the
   model's tokens. Each later turn sends the whole history, which the server's prefix cache holds.
 - Failures are data: a failed request, an env that raises, or a reward that is None/NaN is
-  recorded in `Trajectory.error` (the trainer skips it); the group keeps its valid members.
+  recorded in `Trajectory.error` (the trainer skips it); the group keeps its valid members. The
+  error names where it came from: "EnvError: env.step of task 'x' raised ...", "TokenizerError:
+  ...", "TaskCodeTimeout: ..." or the engine's error. The task's code (make_env, reset, step,
+  group_reward, reward functions) runs under `task_timeout_s` (tasks/task_code.py).
 - Length budget: a trajectory never exceeds `max_seq_tokens`; a request's `max_new_tokens` is
   clamped to the room left, and an episode that runs out of room is cut (`truncated=True`).
 - Submission order (`schedule`), the lever on the prefix-cache hit rate. SGLang's radix cache
@@ -51,7 +54,8 @@ from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
 from tqdm.auto import tqdm
 
-from .chat_tokens import env_suffix_ids, render_ids
+from .chat_tokens import TokenizerError, env_suffix_ids, render_ids
+from ..tasks.task_code import DEFAULT_TIMEOUT_S, EnvError, call_task_code
 from .trajectory import RolloutError, Trajectory, TrajectoryGroup, rollout_stats
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,15 @@ class _Ctx:
     fallbacks: int = 0
     seed_base: int | None = None
     group_scored: bool = False
+    task_name: str = "?"
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    """Limit of each call of the task's own code (tasks/task_code.py)."""
+
+    async def env_call(self, role: str, method, *args):
+        """`method` ("env.step", "env.reset", "make_env" in `role`) under the time limit; its
+        failure is an EnvError naming it and the task."""
+        return await call_task_code(method, *args, what=f"{role} of task {self.task_name!r}",
+                                    timeout_s=self.timeout_s, error=EnvError)
 
     def seed(self, group_seed: int, turn: int, index: int) -> int | None:
         """Sampling seed of group member `index` at model turn `turn`; None when unseeded."""
@@ -131,7 +144,13 @@ def _append_model_turn(ctx: _Ctx, traj: Trajectory, gen, max_new: int, reuse: "_
 
 
 def _append_env_turn(ctx: _Ctx, traj: Trajectory, new_messages: list[dict], reply_ids: list[int]) -> None:
-    ids, fallback = env_suffix_ids(ctx.tokenizer, traj.token_ids, traj.messages, new_messages, reply_ids)
+    try:
+        ids, fallback = env_suffix_ids(ctx.tokenizer, traj.token_ids, traj.messages, new_messages, reply_ids)
+    except RolloutError:
+        raise
+    except Exception as e:
+        raise TokenizerError(f"the tokenizer failed on the env's messages of task {ctx.task_name!r} after turn "
+                             f"{traj.turns}: {type(e).__name__}: {e}") from e
     ctx.fallbacks += fallback
     traj.token_ids += ids
     traj.completion_mask += [0] * len(ids)
@@ -161,7 +180,7 @@ async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_ne
             # The server caches this turn's prompt and reply (all but the last sampled token,
             # whose KV it never computed): the next turn's prompt can reuse them.
             reuse = _Reuse(len(traj.token_ids) - 1, "own history")
-            result = await _maybe_await(env.step(gen.text))
+            result = await ctx.env_call("env.step", env.step, gen.text)
             if result.done:
                 if not ctx.group_scored:  # else _score_group pays the reward once the group is done
                     traj.reward = _finite_reward(result.reward)
@@ -295,9 +314,9 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
                  release: _Release | None, done: Callable[[], None]) -> TrajectoryGroup:
     envs, openings = [], []
     try:
-        envs = [task.make_env(seed) for _ in range(size)]
-        openings = [await _maybe_await(env.reset()) for env in envs]
-        prompts = _render_prompts(ctx.tokenizer, openings)
+        envs = [await ctx.env_call("make_env", task.make_env, seed) for _ in range(size)]
+        openings = [await ctx.env_call("env.reset", env.reset) for env in envs]
+        prompts = _render_prompts(ctx, openings)
     except Exception as exc:
         if release is not None:
             release.arrive()
@@ -329,7 +348,7 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
     finally:  # every member and shared request has ended here, a cancelled one too
         _close_unstarted(firsts)
     if ctx.group_scored:
-        await _score_group(task, envs, trajs)
+        await _score_group(ctx, task, envs, trajs)
     return TrajectoryGroup(seed, trajs)
 
 
@@ -351,19 +370,21 @@ async def _gather_all(coros: list[Coroutine], also: Sequence[asyncio.Future] = (
             await asyncio.wait(pending)
 
 
-async def _maybe_await(value):
-    """An env method's result, awaited when the env is async (`async def step`)."""
-    return await value if inspect.isawaitable(value) else value
-
-
-async def _score_group(task, envs: list, trajs: list[Trajectory]) -> None:
+async def _score_group(ctx: _Ctx, task, envs: list, trajs: list[Trajectory]) -> None:
     """Pay the rewards of a group-scored task: one `task.group_reward` call over the members that
-    finished; a failure, or a None/NaN reward, goes to `reward_error` (never raised)."""
+    finished; a failure, or a None/NaN reward, goes to `reward_error` (never raised). A dataset
+    task times each reward function itself (naming it); another group_reward is timed whole."""
     done = [i for i, t in enumerate(trajs) if t.error is None and t.reward is None]
     if not done:
         return
+    members = ([envs[i] for i in done], [trajs[i] for i in done])
     try:
-        rewards = list(await _maybe_await(task.group_reward([envs[i] for i in done], [trajs[i] for i in done])))
+        if getattr(task, "source", None) is not None:
+            rewards = await task.source.score_group(*members, timeout_s=ctx.timeout_s)
+        else:
+            rewards = await call_task_code(task.group_reward, *members, timeout_s=ctx.timeout_s,
+                                           what=f"group_reward of task {ctx.task_name!r}")
+        rewards = list(rewards)
         if len(rewards) != len(done):
             raise RolloutError(f"group_reward returned {len(rewards)} rewards for {len(done)} episodes")
     except Exception as exc:
@@ -379,12 +400,19 @@ async def _score_group(task, envs: list, trajs: list[Trajectory]) -> None:
             trajs[i].reward = value
 
 
-def _render_prompts(tokenizer, openings: list[list[dict]]) -> list[list[int]]:
+def _render_prompts(ctx: _Ctx, openings: list[list[dict]]) -> list[list[int]]:
     """Turn-1 prompt ids per member, rendered once when the openings agree (the usual case:
-    tokenising a long prompt G times would delay the group's requests measurably)."""
-    first = render_ids(tokenizer, openings[0], add_generation_prompt=True)
-    return [first if m == openings[0] else render_ids(tokenizer, m, add_generation_prompt=True)
-            for m in openings]
+    tokenising a long prompt G times would delay the group's requests measurably). A failure is a
+    TokenizerError naming the task (PromptTextError for text no tokenizer takes)."""
+    try:
+        first = render_ids(ctx.tokenizer, openings[0], add_generation_prompt=True)
+        return [first if m == openings[0] else render_ids(ctx.tokenizer, m, add_generation_prompt=True)
+                for m in openings]
+    except TokenizerError:
+        raise
+    except Exception as e:
+        raise TokenizerError(f"the tokenizer's chat template failed on the opening messages of task "
+                             f"{ctx.task_name!r}: {type(e).__name__}: {e}") from e
 
 
 def _failed(ctx: _Ctx, seed: int, error: str) -> Trajectory:
@@ -396,7 +424,7 @@ async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_si
                          adapter: str | None = None, concurrency: int = 64, schedule: str = "prefix",
                          max_seq_tokens: int = 4096, truncation_reward: float | None = 0.0,
                          progress: bool = False, sampling_seed_base: int | None = None,
-                         ) -> list[TrajectoryGroup]:
+                         task_timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[TrajectoryGroup]:
     """Play `group_size` episodes of `task` per seed; one TrajectoryGroup per seed, in order.
 
     `params` (client.SamplingParams) applies to every model turn; its `n` is ignored (the
@@ -404,8 +432,9 @@ async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_si
     once). `truncation_reward` is the reward of an episode cut by `max_seq_tokens` before the
     env finished (None: record it as failed instead). `sampling_seed_base` seeds every request
     from (base, group seed, turn, member) — see the module docstring; `params.seed` is ignored
-    (like `n`), since one seed for every request would make the G samples identical. Never
-    raises for a failed rollout.
+    (like `n`), since one seed for every request would make the G samples identical.
+    `task_timeout_s` limits each call of the task's own code (RunConfig.reward_timeout_s; 0 or
+    None: no limit). Never raises for a failed rollout; refuses a group_size below 1 at once.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -413,7 +442,8 @@ async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_si
         raise ValueError(f"group_size and concurrency must be >= 1 (got {group_size}, {concurrency})")
     ctx = _Ctx(client, tokenizer, params, adapter, asyncio.Semaphore(concurrency), max_seq_tokens,
                truncation_reward, max(1, int(getattr(task, "max_turns", 1) or 1)), seed_base=sampling_seed_base,
-               group_scored=getattr(task, "group_reward", None) is not None)
+               group_scored=getattr(task, "group_reward", None) is not None,
+               task_name=str(getattr(task, "name", type(task).__name__)), timeout_s=task_timeout_s)
     release = _Release(len(seeds)) if schedule == "prefix_sync" and group_size > 1 else None
     with tqdm(total=len(seeds) * group_size, desc="rollouts", disable=not progress) as bar:
         groups = await _gather_all([_group(ctx, task, seed, group_size, schedule, release, lambda: bar.update(1))

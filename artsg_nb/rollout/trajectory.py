@@ -3,7 +3,9 @@
 What it does: `Trajectory` (one episode's tokens, which of them the model produced, its logprobs,
 reward and server counts), `TrajectoryGroup` (the G episodes of one env seed), `is_valid` /
 `is_trainable` (used by the trainer and the history too), `require_rewards` (a step whose every
-played episode lacks a reward stops with what to try) and `rollout_stats` (counts and token totals).
+episode failed, or whose every played episode lacks a reward, stops with the cause named — the
+task's env, the tokenizer, a timeout, or the server — and what to try) and `rollout_stats` (counts
+and token totals).
 
 What it does not do: play episodes or talk to a server (groups.py), build tensors (rl/trainer.py).
 """
@@ -31,6 +33,20 @@ class RolloutError(RuntimeError):
 
 class NoRewardError(RuntimeError):
     """Every episode of a step that played to the end has a `reward_error`: nothing to train on."""
+
+
+class RolloutsFailedError(RuntimeError):
+    """Every episode of a step failed (`Trajectory.error`); the message says where (env,
+    tokenizer, a timeout, the server) from the first error."""
+
+
+_FAILURE_HINTS = (
+    ("TaskCodeTimeout", "the task's own code", "find where it waits, or raise RunConfig.reward_timeout_s"),
+    ("EnvError", "the task's env", "call task.make_env(seed).reset() and .step(reply) by hand to see the traceback"),
+    ("PromptTextError", "the prompt text", "fix the text the message names (the error says how)"),
+    ("TokenizerError", "the tokenizer or its chat template",
+     "render the opening messages with tokenizer.apply_chat_template(messages) by hand"),
+)
 
 
 @dataclass
@@ -106,9 +122,19 @@ class TrajectoryGroup:
 
 
 def require_rewards(groups: Sequence[TrajectoryGroup]) -> None:
-    """Raise NoRewardError when every played episode lacks a reward (a task whose reward
-    functions return None for everything, or always raise), naming the first reason."""
-    played = [t for g in groups for t in g.trajectories if t.error is None]
+    """Raise RolloutsFailedError when every episode failed, naming where from the first error;
+    NoRewardError when every played episode lacks a reward (a task whose reward functions return
+    None for everything, or always raise), naming the first reason."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if trajs and all(t.error is not None for t in trajs):
+        first = trajs[0].error
+        where, hint = "the server's answers", "read the server log (server.log_tail())"
+        for kind, name, what in _FAILURE_HINTS:
+            if first.startswith(kind + ":"):
+                where, hint = name, what
+                break
+        raise RolloutsFailedError(f"all {len(trajs)} rollouts of the step failed in {where}: {first}. Try: {hint}.")
+    played = [t for t in trajs if t.error is None]
     if played and all(t.reward_error is not None for t in played):
         raise NoRewardError(
             f"none of the {len(played)} completions got a reward: {played[0].reward_error}. Try: check the task's "

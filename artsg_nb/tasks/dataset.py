@@ -24,14 +24,17 @@ feed raw text to a non-chat model).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .episode import Messages, StepResult
+from .task_code import DEFAULT_TIMEOUT_S, TaskCodeError, call_task_code
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,15 @@ class DatasetColumnError(ValueError):
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised or returned the wrong number of rewards (recorded per trajectory)."""
+
+
+class RewardFunctionCheckError(ValueError):
+    """A reward function that cannot work, found when the task is built (`check_reward_funcs`):
+    a signature that does not take TRL's keywords, or a dry run that raised or returned no reward."""
+
+
+DRY_RUN_TEXT = "The answer is 42."
+"""The fake completion `check_reward_funcs` scores (its token ids are stand-ins too)."""
 
 
 @dataclass
@@ -188,9 +200,11 @@ class DatasetSource:
         return DatasetEnv(self, self.row_of_seed(seed), epoch=(seed % (1 << _SEED_BITS)) / len(self))
 
     # ---- rewards -------------------------------------------------------------------------------
-    async def score_group(self, envs: Sequence[DatasetEnv], trajectories: Sequence) -> list[float | None]:
-        """One call of each reward function for the group; the weighted sum per sample (None when
-        no function gave a value). Raises RewardFunctionError naming the function that failed."""
+    async def score_group(self, envs: Sequence[DatasetEnv], trajectories: Sequence,
+                          timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[float | None]:
+        """One call of each reward function for the group, each within `timeout_s` (task_code.py);
+        the weighted sum per sample (None when no function gave a value). Raises
+        RewardFunctionError naming the function that failed or did not return."""
         rows = [self.row(e.row) for e in envs]
         prompts = [r[self.prompt] for r in rows]
         texts = [next((m["content"] for m in reversed(t.messages) if m.get("role") == "assistant"), "")
@@ -202,13 +216,16 @@ class DatasetSource:
         kwargs.update(trainer_state=self.state, log_extra=self._log_extra, log_metric=self._log_metric)
         per_func = []
         for fn in self.reward_funcs:
+            call = functools.partial(fn, prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
             try:
-                out = fn(prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
-                if inspect.isawaitable(out):
-                    out = await out
+                out = await call_task_code(call, what=f"reward function {_name(fn)!r}", timeout_s=timeout_s)
+            except TaskCodeError as e:
+                raise RewardFunctionError(str(e)) from e.__cause__
+            try:
                 out = list(out)
-            except Exception as e:
-                raise RewardFunctionError(f"reward function {_name(fn)!r} raised {type(e).__name__}: {e}") from e
+            except TypeError as e:
+                raise RewardFunctionError(f"reward function {_name(fn)!r} returned {type(out).__name__}, not a list "
+                                          "of rewards (one float or None per completion)") from e
             if len(out) != len(prompts):
                 raise RewardFunctionError(f"reward function {_name(fn)!r} returned {len(out)} rewards for "
                                           f"{len(prompts)} completions (one per completion expected)")
@@ -220,11 +237,66 @@ class DatasetSource:
             rewards.append(sum(parts) if parts else None)
         return rewards
 
+    def check_reward_funcs(self, dry_run: bool = True) -> None:
+        """Each reward function takes the keywords `score_group` passes (its signature binds them)
+        and, with `dry_run`, called on one fake completion (DRY_RUN_TEXT) of the first served row,
+        returns one reward (a number or None). Async functions get the signature check only (a dry
+        run would need the notebook's event loop). Raises RewardFunctionCheckError naming it."""
+        row = self.row(self.indices[0] if self.indices else 0)
+        completion = [{"role": "assistant", "content": DRY_RUN_TEXT}] if self.chat else DRY_RUN_TEXT
+        kwargs = {k: [row.get(k)] for k in row if k != self.prompt and k not in _NOT_COLUMNS}
+        kwargs.update(prompts=[row[self.prompt]], completions=[completion], completion_ids=[[0, 1, 2, 3]],
+                      trainer_state=RewardState(), log_extra=lambda *a: None, log_metric=lambda *a: None)
+        for fn in self.reward_funcs:
+            _check_signature(fn, kwargs)
+            if dry_run and not (inspect.iscoroutinefunction(fn)
+                                or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+                _dry_run(fn, kwargs)
+
     def _log_metric(self, name: str, value) -> None:
         self.logged.setdefault(name, []).append(value)
 
     def _log_extra(self, column: str, values) -> None:
         self.logged.setdefault(column, []).extend(list(values))
+
+
+def _check_signature(fn, kwargs: dict) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: no signature to read; the dry run still calls it
+    try:
+        signature.bind(**kwargs)
+    except TypeError as e:
+        columns = [k for k in kwargs if k not in ("prompts", "completions", "completion_ids", "trainer_state",
+                                                  "log_extra", "log_metric")]
+        raise RewardFunctionCheckError(
+            f"reward function {_name(fn)!r} takes {signature} but is called once per group with the keywords "
+            f"prompts, completions, completion_ids, {', '.join(columns + [''])}trainer_state, log_extra, log_metric "
+            f"(TRL's GRPOTrainer signature): {e}. Try: def {_name(fn)}(prompts, completions, **kwargs) -> "
+            "list[float | None], naming the dataset columns it reads as keyword arguments.") from None
+
+
+def _dry_run(fn, kwargs: dict) -> None:
+    what = f"reward function {_name(fn)!r}, called on one fake completion ({DRY_RUN_TEXT!r}) of the first row,"
+    try:
+        out = fn(**kwargs)
+    except Exception as e:
+        raise RewardFunctionCheckError(
+            f"{what} raised {type(e).__name__}: {e}. A reward function must score any completion (None where it "
+            "does not apply), since the model writes anything. Try: call it by hand on that completion.") from e
+    if inspect.isawaitable(out):
+        getattr(out, "close", lambda: None)()  # an async function behind a plain callable: not run here
+        return
+    try:
+        out = list(out)
+    except TypeError:
+        raise RewardFunctionCheckError(f"{what} returned {type(out).__name__}; it must return a list with one reward "
+                                       "(float or None) per completion.") from None
+    bad = [v for v in out if v is not None and not isinstance(v, numbers.Real)]
+    if len(out) != 1 or bad:
+        raise RewardFunctionCheckError(f"{what} returned {out!r}; it must return a list with one reward (float or "
+                                       "None) per completion.")
 
 
 def _finite_or_none(value) -> float | None:

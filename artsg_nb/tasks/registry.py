@@ -88,10 +88,11 @@ class Task:
         return [rng.randrange(1 << 30) for _ in range(count)]
 
     @classmethod
-    def from_dataset(cls, rows, prompt: str = "prompt", reward_funcs: Sequence[Callable] = (),
+    def from_dataset(cls, rows, prompt: str = "prompt", reward_funcs: Sequence[Callable] | Callable = (),
                      reward_weights: Sequence[float] | None = None, system_prompt: str | None = None,
                      max_new_tokens: int = 256, name: str = "dataset", description: str | None = None,
-                     eval_fraction: float = 0.0, eval_rows: Sequence[int] | None = None, split_seed: int = 0) -> "Task":
+                     eval_fraction: float = 0.0, eval_rows: Sequence[int] | None = None, split_seed: int = 0,
+                     dry_run: bool = True) -> "Task":
         """A single-turn task over `rows` (a list of dicts or a `datasets.Dataset`), as TRL's
         GRPOTrainer takes one: `prompt` names the column holding text or chat messages (a list of
         {"role", "content"}), `reward_funcs` are TRL reward functions `f(prompts, completions,
@@ -99,9 +100,17 @@ class Task:
         (default all 1). `system_prompt` is put before every prompt. `eval_fraction` (a seeded
         share of the rows, by `split_seed`) or `eval_rows` (row numbers) are held out: the task
         trains on the rest, and `task.split("eval")` is the same task over the held-out rows.
-        Raises DatasetColumnError (listing the columns) when there is no `prompt` column."""
-        source = DatasetSource(rows, prompt, list(reward_funcs), reward_weights, system_prompt)
+        Raises DatasetColumnError (listing the columns) when there is no `prompt` column.
+
+        A single function may be given instead of a list. Each one is checked here, before any
+        server starts: its signature must take those keywords, and (`dry_run`, for plain
+        functions) it is called once on a fake completion of the first training row and must
+        return one reward (a number or None); RewardFunctionCheckError names the one that fails.
+        `dry_run=False` skips the call (a function with side effects, or one that is slow)."""
+        funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+        source = DatasetSource(rows, prompt, funcs, reward_weights, system_prompt)
         source = source.with_split(eval_fraction, eval_rows, split_seed)
+        source.check_reward_funcs(dry_run=dry_run)
         names = ", ".join(getattr(f, "__name__", type(f).__name__) for f in source.reward_funcs)
         return cls(name, description or f"dataset: {len(source)} rows of column {prompt!r}, rewards {names}",
                    max_turns=1, max_new_tokens=max_new_tokens, factory=source.make_env,

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    # ARTSG_LOG_LEVEL=INFO shows each step's phases (session.py) and the servers' starts.
+    # ARTSG_LOG_LEVEL=INFO shows each step's phases (run/step.py) and the servers' starts.
     logging.basicConfig(level=os.environ.get("ARTSG_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(name)s: %(message)s")
     if "" not in sys.path and os.getcwd() not in sys.path:

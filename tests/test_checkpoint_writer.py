@@ -338,7 +338,7 @@ def test_a_pipelined_rollback_works_while_the_seal_is_pending_or_after_it_failed
         raise OSError(errno.ENOSPC, "No space left on device")
     v = _unsealed_version(tr, tmp_path / "adapters", 1, slow_then_full)
     tr.train_step(_groups())  # the next update, cancelled: rolled back while the seal still runs
-    ahead = SampleAhead(True, tr, tmp_path, supervisor=None, rollouts=None)
+    ahead = SampleAhead(True, tr, tmp_path, supervisor=None, source=None, versions=None)
     threading.Timer(0.2, release.set).start()
     ahead._roll_back(1)
     assert not (v.path / "sha256.txt").exists() and tr.step == 1

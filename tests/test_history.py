@@ -96,3 +96,33 @@ def test_format_row_skips_missing_and_shows_failures():
     line = History.format_row({"step": 3, "reward_mean": 0.5, "loss": float("nan"),
                                "failed_rollouts": 2})
     assert line == "step 3 | reward 0.50 | failed 2"
+
+
+def test_docs_list_the_columns_of_the_one_row_schema():
+    """docs/internals.md's "History columns" list is StepRow's columns (History.COLUMNS), in order."""
+    import re
+    from pathlib import Path
+
+    from artsg_nb.run.history import StepRow
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "internals.md").read_text()
+    section = text[text.index("## History columns"):]
+    listed = re.search(r"`(step, adapter, [^`]+)`", section).group(1)
+    assert [c.strip() for c in listed.split(",")] == list(COLUMNS) == list(History.COLUMNS)
+    assert {"memory", "pipeline", "eval", "fleet"} <= set(StepRow.__dataclass_fields__)
+
+
+def test_a_step_row_writes_its_groups_in_place_and_leaves_absent_ones_out(tmp_path):
+    from artsg_nb.run.history import FleetFields, MemoryFields, PipelineFields, step_row
+
+    sync = step_row(1, "policy-step-1", [], {"loss": 0.5}).as_dict()
+    assert sync["release_s"] is None and sync["resume_s"] is None, "the memory group is in every row"
+    assert not {"staleness", "eval_reward", "worker_hit_rates", "trainer_ranks"} & set(sync)
+    assert list(sync) == [c for c in COLUMNS if c in sync], "the row's keys in the schema's order"
+    full = step_row(2, "policy-step-2", [], {"ranks": 2}, memory=MemoryFields(0.1, 0.2),
+                    pipeline=PipelineFields(1, 0.3, 0.4), fleet=FleetFields([0.5, None], [10, None])).as_dict()
+    assert (full["release_s"], full["staleness"], full["reload_wait_s"], full["trainer_ranks"]) == (0.1, 1, 0.4, 2)
+    history = History(tmp_path)
+    history.append(full)
+    df = history.df  # per-worker lists stay lists; the other columns are floats
+    assert df.loc[0, "worker_hit_rates"] == [0.5, None] and df.loc[0, "staleness"] == 1.0

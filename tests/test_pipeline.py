@@ -16,6 +16,7 @@ import pytest
 from artsg_nb.run.config import resolve_release
 from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
+from waiting import forever, wait_until, wait_until_async
 
 
 def _cfg(tiny_model_dir, tmp_path, **kw):
@@ -32,21 +33,21 @@ def test_steps_train_on_rollouts_of_the_previous_adapter(tiny_model_dir, tmp_pat
         real = run.trainer.train_step
 
         def recording(groups):
-            ahead = run._ahead_task
+            ahead = run.sampler.ahead_task
             trained.append((run.trainer.step, {t.adapter for g in groups for t in g.trajectories},
                             [g.seed for g in groups], ahead is not None and not ahead.done()))
             return real(groups)
 
         saves = []  # per save: (in a worker thread, the step still waiting for the rollouts ahead)
-        real_save = run._save_served
+        real_save = run.versions.write
 
-        def recording_save():  # (in a worker thread, before the step has collected the rollouts ahead)
-            saves.append((threading.current_thread() is not threading.main_thread(), run._ahead is None))
-            return real_save()
+        def recording_save(step):  # (in a worker thread, before the step has collected the rollouts ahead)
+            saves.append((threading.current_thread() is not threading.main_thread(), run.sampler.ahead is None))
+            return real_save(step)
 
-        run.trainer.train_step, run._save_served = recording, recording_save
+        run.trainer.train_step, run.versions.write = recording, recording_save
         rows = [asyncio.run(run.step()) for _ in range(3)]
-        seeds = [run._seeds(s) for s in (1, 2, 3)]
+        seeds = [run.source.seeds(s) for s in (1, 2, 3)]
         assert not run.history.df["update_skipped"].any(), "a skipped update would break the pattern tested here"
     assert [r["staleness"] for r in rows] == [0, 1, 1]
     assert [t[1] for t in trained] == [{"policy-step-0"}, {"policy-step-0"}, {"policy-step-1"}]
@@ -111,9 +112,8 @@ def test_stop_with_rollouts_in_flight_leaves_no_task(tiny_model_dir, tmp_path):
 
         async def stop_midway():
             step = asyncio.ensure_future(run.step())
-            while run._ahead_task is None:
-                await asyncio.sleep(0.01)
-            ahead = run._ahead_task
+            await wait_until_async(lambda: run.sampler.ahead_task is not None)
+            ahead = run.sampler.ahead_task
             run.stop()
             step.cancel()  # the notebook's interrupt of the cell running the step
             await asyncio.wait([step])
@@ -122,7 +122,7 @@ def test_stop_with_rollouts_in_flight_leaves_no_task(tiny_model_dir, tmp_path):
 
         asyncio.run(stop_midway())
         # the cancelled step's update (finished by its worker thread) was undone: step 2 can run again
-        assert run.trainer.step == 1 and run._ahead is None and len(run.history.df) == 1
+        assert run.trainer.step == 1 and run.sampler.ahead is None and len(run.history.df) == 1
     finally:
         run.stop()
 
@@ -163,74 +163,75 @@ def test_a_step_cancelled_after_its_early_save_rolls_back_even_to_a_checkpoint_k
     is interrupted while its rollouts ahead still run, after its update: the trainer returns to
     step 1 (so step 2 is saved after the rollouts ahead, not beside them, while step 1 is only in
     memory), and the step can simply be run again."""
-    import artsg_nb.run.session as session_module
-    real_seal = session_module.seal_version
+    import artsg_nb.run.versions as versions_module
+    real_seal = versions_module.seal_version
 
     def seal(version):
         if version.step == 1:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_seal(version)
 
-    monkeypatch.setattr(session_module, "seal_version", seal)
+    monkeypatch.setattr(versions_module, "seal_version", seal)
     with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
         asyncio.run(run.step())
-        updated = threading.Event()
-        real_train, real_rollouts = run.trainer.train_step, run._rollouts
+        decided = threading.Event()  # the update is done and its save left for after the rollouts ahead
+        real_save_ahead, real_rollouts = run.versions.save_ahead, run.source.rollouts
 
-        def recording_train(groups):
-            metrics = real_train(groups)
-            updated.set()
-            return metrics
+        def recording_save_ahead():
+            saved = real_save_ahead()
+            assert saved is None, "step 1's checkpoint is only in memory: nothing is saved beside the rollouts"
+            decided.set()
+            return saved
 
         async def slow_rollouts(step):
             if step == 3:
-                await asyncio.sleep(30)  # still running when the step is interrupted
+                await forever()  # still running when the step is interrupted
             return await real_rollouts(step)
 
-        run.trainer.train_step, run._rollouts = recording_train, slow_rollouts
+        run.versions.save_ahead, run.source.rollouts = recording_save_ahead, slow_rollouts
 
-        assert asyncio.run(_interrupt_step(run, updated.is_set, after_s=0.3)).cancelled()
+        assert asyncio.run(_interrupt_step(run, decided.is_set)).cancelled()
         assert run.trainer.step == 1 and run.adapter == "policy-step-1"
-        run._rollouts = real_rollouts
+        run.source.rollouts = real_rollouts
         row = asyncio.run(run.step())
         assert row["step"] == 2 and run.adapter == "policy-step-2"
 
 
 
-async def _interrupt_step(run, ready, after_s: float = 0.0) -> asyncio.Future:
-    """run.step(), cancelled (a notebook's interrupt) `after_s` after `ready()` turns true; the step's future."""
+async def _interrupt_step(run, ready) -> asyncio.Future:
+    """run.step(), cancelled (a notebook's interrupt) once `ready()` turns true; the step's future."""
     step = asyncio.ensure_future(run.step())
-    while not ready():
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(after_s)
+    await wait_until_async(ready)
     step.cancel()
     await asyncio.wait([step])
     return step
 
 
-def _slow_ahead(run, seconds):
-    """The run's rollouts of every step after the first take `seconds` longer: they outlast the update."""
-    real = run._rollouts
+def _slow_ahead(run, until=None):
+    """The run's rollouts of every step after the first wait until `until(step)` is true (None:
+    until cancelled): they outlast the update."""
+    real = run.source.rollouts
 
     async def slow(step):
         if step > 1:
-            await asyncio.sleep(seconds)
+            await (wait_until_async(lambda: until(step)) if until else forever())
         return await real(step)
 
-    run._rollouts = slow
+    run.source.rollouts = slow
 
 
 def test_the_new_adapter_is_loaded_while_the_rollouts_ahead_still_run(tiny_model_dir, tmp_path):
     """Only the unload of the adapter the rollouts ahead sample from waits for them: the new
     version's load goes beside them (its seconds still count in reload_s)."""
     with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
-        _slow_ahead(run, 1.0)
         calls = []  # (call, adapter, rollouts ahead still in flight)
+        # the rollouts of step n+1 (sampled ahead during step n's update) end once version n's load began
+        _slow_ahead(run, until=lambda step: ("load", f"policy-step-{step - 1}", True) in calls)
         client = run.client
         real_load, real_unload = client.load_adapter, client.unload_adapter
 
         def in_flight():
-            return run._ahead_task is not None and not run._ahead_task.done()
+            return run.sampler.ahead_task is not None and not run.sampler.ahead_task.done()
 
         async def load(name, path):
             calls.append(("load", name, in_flight()))
@@ -256,13 +257,13 @@ def test_a_step_cancelled_after_staging_its_adapter_can_be_run_again(tiny_model_
     version under the same name, which replaces it there (the server refuses a name twice)."""
     with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
         asyncio.run(run.step())
-        real_rollouts = run._rollouts
-        _slow_ahead(run, 30)  # still running when the step is interrupted
+        real_rollouts = run.source.rollouts
+        _slow_ahead(run)  # still running when the step is interrupted
 
         assert asyncio.run(_interrupt_step(run, lambda: run.publisher.staged_loaded)).cancelled()
         assert run.trainer.step == 1 and run.adapter == "policy-step-1"
         assert run.publisher.staged is not None and run.publisher.staged.name == "policy-step-2"
-        run._rollouts = real_rollouts
+        run.source.rollouts = real_rollouts
         caplog.clear()
         row = asyncio.run(run.step())
         assert row["step"] == 2 and run.adapter == "policy-step-2" and run.publisher.staged is None
@@ -273,30 +274,35 @@ def test_reload_wait_counts_the_save_left_after_rollouts_that_ended_before_the_u
     """The rollouts ahead end during the update: the whole save and load come after both, on the
     step's path, and reload_wait_s counts them (it counted from when the update's thread returned)."""
     with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
-        real_train, real_save = run.trainer.train_step, run._save_served
+        real_train, real_save = run.trainer.train_step, run.versions.write
 
         def slow_train(groups):
-            time.sleep(2.0)  # the rollouts ahead end meanwhile
+            _wait_for_the_rollouts_ahead(run)
             return real_train(groups)
 
-        def slow_save():
+        def slow_save(step):
             time.sleep(0.5)
-            return real_save()
+            return real_save(step)
 
-        run.trainer.train_step, run._save_served = slow_train, slow_save
+        run.trainer.train_step, run.versions.write = slow_train, slow_save
         rows = [asyncio.run(run.step()) for _ in range(2)]
     assert all(r["ahead_wait_s"] < 0.1 for r in rows), rows
     assert all(r["reload_wait_s"] >= 0.5 for r in rows), [r["reload_wait_s"] for r in rows]
 
 
-def _slow_updates(run, seconds):
-    """Every update takes `seconds` longer (the rollouts ahead end first: an 8-token step's shape);
-    returns the list of (start, end) perf_counter() times of the updates, filled as they run."""
+def _wait_for_the_rollouts_ahead(run):
+    """In an update's worker thread: return once the rollouts sampled ahead beside it have ended."""
+    wait_until(lambda: run.sampler.ahead_task is not None and run.sampler.ahead_task.done())
+
+
+def _slow_updates(run):
+    """Every update ends after the rollouts ahead (an 8-token step's shape); returns the list of
+    (start, end) perf_counter() times of the updates, filled as they run."""
     real, spans = run.trainer.train_step, []
 
     def slow(groups):
         t0 = time.perf_counter()
-        time.sleep(seconds)
+        _wait_for_the_rollouts_ahead(run)
         metrics = real(groups)
         spans.append((t0, time.perf_counter()))
         return metrics
@@ -325,13 +331,13 @@ def test_run_loads_a_version_beside_the_next_update_when_the_rollouts_ahead_ende
     The first step's version is checked on the server (served in its step), the last one's served
     before run() returns; the rollouts stay one version old."""
     with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
-        updates = _slow_updates(run, 1.0)
+        updates = _slow_updates(run)
         loads = _record_loads(run)
         served_after = []  # (served adapter, the trainer's version) as each row comes
-        with caplog.at_level(logging.INFO, logger="artsg_nb.run.session"):
+        with caplog.at_level(logging.INFO, logger="artsg_nb.run.versions"):
             asyncio.run(run.run(4, on_step=lambda row: served_after.append((run.adapter, run.weights_version))))
         rows = run.history.df.to_dict("records")
-        assert run.adapter == run.weights_version == "policy-step-4" and run._unpublished is None
+        assert run.adapter == run.weights_version == "policy-step-4" and run.versions.unpublished is None
         assert set(run.samples(4)["adapter"]) == {"policy-step-2"}
     assert [name for name, _ in loads] == [f"policy-step-{s}" for s in range(5)], loads
     # versions 2 and 3 were loaded while the next update ran (before: after their own update, and
@@ -369,7 +375,7 @@ def test_a_version_run_left_unserved_is_served_before_anything_samples_or_export
             run.run_dir / "adapters" / "policy-step-2" / "adapter_model.safetensors").read_bytes()
         groups = asyncio.run(run.rollouts([0]))
         assert {t.adapter for g in groups for t in g.trajectories} == {"policy-step-2"}
-        assert run.adapter == "policy-step-2" and run._unpublished is None
+        assert run.adapter == "policy-step-2" and run.versions.unpublished is None
         row = asyncio.run(run.step())
         assert row["step"] == 3 and run.adapter == "policy-step-3"
 
@@ -383,29 +389,28 @@ def test_a_version_staged_while_the_one_before_is_still_being_served_waits_for_i
 
         def slow_second(groups):  # step 2 leaves its version after rollouts ahead that ended first
             if run.trainer.step == 1:
-                time.sleep(1.5)
+                _wait_for_the_rollouts_ahead(run)
             return real_train(groups)
 
         run.trainer.train_step = slow_second
         calls, real_load, real_unload = [], run.client.load_adapter, run.client.unload_adapter
+        stages, real_stage = [], run.versions.stage
 
         async def load(name, path):
             calls.append(("load", name))
-            if name == "policy-step-2":
-                await asyncio.sleep(2.0)  # still loading when step 3's update has saved
+            if name == "policy-step-2":  # still loading when step 3's update has saved
+                await wait_until_async(lambda: any(staged == "policy-step-3" for staged, _ in stages))
             return await real_load(name, path)
 
         async def unload(name):
             calls.append(("unload", name))
             return await real_unload(name)
 
-        stages, real_stage = [], run.sampler._stage
-
         async def stage(saved):  # (version staged, the version still being served beside it)
-            stages.append((saved[0].name, run._unpublished.name if run._unpublished else None))
+            stages.append((saved.version.name, run.versions.unpublished.name if run.versions.unpublished else None))
             return await real_stage(saved)
 
-        run.client.load_adapter, run.client.unload_adapter, run.sampler._stage = load, unload, stage
+        run.client.load_adapter, run.client.unload_adapter, run.versions.stage = load, unload, stage
         asyncio.run(run.run(4))
         held = asyncio.run(run.client.list_adapters())
         assert run.adapter == "policy-step-4" and sorted(held) == ["policy-step-4"], held
@@ -419,19 +424,19 @@ def test_a_run_whose_last_step_has_no_signal_ends_with_the_newest_version_served
                                                                                   monkeypatch):
     """The step before the last left its version to it; the last one skips its update (every group's
     rewards equal): it serves that version itself, there is no update to load it beside."""
-    import artsg_nb.run.session as session_module
-    real, seen = session_module.constant_groups, []
+    import artsg_nb.run.step as step_module
+    real, seen = step_module.constant_groups, []
 
     def last_without_signal(groups):
         seen.append(1)
         return (len(groups), True) if len(seen) == 3 else real(groups)
 
-    monkeypatch.setattr(session_module, "constant_groups", last_without_signal)
+    monkeypatch.setattr(step_module, "constant_groups", last_without_signal)
     with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
         asyncio.run(run.run(3))
         rows = run.history.df.to_dict("records")
         assert bool(rows[-1]["update_skipped"]) and run.trainer.step == 3
-        assert run.adapter == run.weights_version == "policy-step-2" and run._unpublished is None
+        assert run.adapter == run.weights_version == "policy-step-2" and run.versions.unpublished is None
 
 
 def test_every_step_of_run_takes_one_metrics_scrape(tiny_model_dir, tmp_path):
@@ -439,7 +444,7 @@ def test_every_step_of_run_takes_one_metrics_scrape(tiny_model_dir, tmp_path):
     fleet's per-worker figures and the dashboard's hit-rate windows are per step); before, a step
     leaving its version after one that served its own took none."""
     with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
-        _slow_updates(run, 0.5)
+        _slow_updates(run)
         scrapes, real = [], run.client.metrics_text
 
         async def metrics_text():
@@ -460,19 +465,23 @@ def test_rollouts_ahead_cancelled_by_stop_then_by_their_step_keep_their_cleanup(
 
     cleaned = []
 
-    async def rollout_with_cleanup():
-        try:
-            await asyncio.sleep(10)
-        finally:
-            await asyncio.sleep(0.05)  # a request closing its connection
-            cleaned.append(True)
-
     async def go():
-        sampler = SampleAhead(True, trainer=None, run_dir=tmp_path, supervisor=None, rollouts=None)
+        started, cleaning = asyncio.Event(), asyncio.Event()
+
+        async def rollout_with_cleanup():
+            try:
+                started.set()
+                await forever()
+            finally:
+                cleaning.set()
+                await asyncio.sleep(0.05)  # a request closing its connection
+                cleaned.append(True)
+
+        sampler = SampleAhead(True, trainer=None, run_dir=tmp_path, supervisor=None, source=None, versions=None)
         sampler.ahead_task = asyncio.ensure_future(rollout_with_cleanup())
-        await asyncio.sleep(0)
+        await started.wait()
         sampler.cancel_now()  # stop()
-        await asyncio.sleep(0)  # the rollouts start their cleanup
+        await cleaning.wait()  # the rollouts start their cleanup
         await sampler._cancel_ahead()  # the step's except path, a loop turn later
 
     asyncio.run(go())

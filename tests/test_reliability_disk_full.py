@@ -72,7 +72,7 @@ def test_step_whose_save_fails_in_safetensors_is_rolled_back(tmp_path, tiny_mode
             asyncio.run(run.step())
         run.trainer.save_adapter = save
         assert run.trainer.step == 1 and run.adapter == "policy-step-1"  # rolled back to the served version
-        assert run._ahead_task is None and run._ahead is None  # the rollouts sampled ahead were cancelled
+        assert run.sampler.ahead_task is None and run.sampler.ahead is None  # the rollouts sampled ahead were cancelled
         row = asyncio.run(run.step())
         assert row["step"] == 2 and row["adapter"] == "policy-step-2"
         assert [int(s) for s in run.history.df["step"]] == [1, 2]

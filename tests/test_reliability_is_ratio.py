@@ -26,6 +26,6 @@ def test_history_records_the_capped_weight_and_the_raw_ratio_apart(tiny_model_di
             lps = trainer.score_tokens(t.token_ids)
             t.logprobs = [0.0] + [lp - 3.0 if m else 0.0 for lp, m in zip(lps, t.completion_mask[1:])]
     metrics = trainer.train_step(groups)
-    row = step_row(1, "policy-step-1", [], metrics, None, (0, 0, 0), {}, (None, None), 0)
+    row = step_row(1, "policy-step-1", [], metrics).as_dict()
     assert row["is_ratio_max"] <= 3.0 + 1e-6 and row["is_ratio_min"] <= row["is_ratio_mean"] <= 3.0 + 1e-6
     assert row["is_raw_ratio_min"] > 15 and math.isclose(row["is_raw_ratio_mean"], math.exp(3), rel_tol=0.1)

@@ -71,7 +71,7 @@ class _Run:
         self.run_dir, self.server, self.stopped = run_dir, None, False
         self.cfg = RunConfig(run_dir=str(run_dir), **cfg)
         self._lock = RunDirLock(run_dir)
-        self._adapter_lock = object() if stepping else None
+        self.in_step = stepping
 
     def stop(self):
         self.stopped = True

@@ -5,7 +5,10 @@ against the trainer at the first reload on the server and then every verify_ever
 import asyncio
 from dataclasses import replace
 
+from artsg_nb.run.clock import PhaseClock
 from artsg_nb.run.session import GRPORun, RunConfig
+from artsg_nb.run.supervisor import ServerSupervisor
+from artsg_nb.run.versions import AdapterVersions, VerifyPolicy
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 
@@ -15,7 +18,7 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
                     run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=2, verbose=False, verify_every=2)
     seen, scrapes, rolling = [], [], []
     with GRPORun(cfg) as run:
-        real_collect, real_metrics = run._rollouts, run.client.metrics_text
+        real_collect, real_metrics = run.source.rollouts, run.client.metrics_text
 
         async def recording(step):
             rolling.append(True)
@@ -30,7 +33,7 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
             scrapes.append("during rollouts" if rolling else "beside the reload")
             return await real_metrics()
 
-        run._rollouts, run.client.metrics_text = recording, counted_metrics
+        run.source.rollouts, run.client.metrics_text = recording, counted_metrics
         for step in (1, 2, 3):
             row = asyncio.run(run.step())
             loaded = asyncio.run(run.client.list_adapters())
@@ -70,18 +73,19 @@ def test_reward_rises_within_four_steps_on_addition(tiny_model_dir, tmp_path):
 
 
 def test_the_served_adapter_is_checked_first_on_each_server_then_every_verify_every_steps(tmp_path):
-    run = GRPORun(RunConfig(engine="cpu", run_dir=str(tmp_path / "run"), verify_every=5))  # not started
-    due = lambda: [s for s in range(1, 13) if run._verify_due(s)]  # noqa: E731
+    supervisor = ServerSupervisor(watchdog=None, max_restarts=2, run_dir=tmp_path)
+    versions = AdapterVersions(None, tmp_path, supervisor, PhaseClock(), None, VerifyPolicy(verify_every=5))
+    due = lambda: [s for s in range(1, 13) if versions.verify_due(s)]  # noqa: E731
     assert due() == list(range(1, 13)), "no check yet on this server: the next reload is checked"
-    run._verified_on_server = run.supervisor.restarts  # checked on this server
+    versions.verified_on_server = supervisor.restarts  # checked on this server
     assert due() == [5, 10]
-    run.supervisor.restarts += 1  # a restarted server: its first reload is checked whatever the step
+    supervisor.restarts += 1  # a restarted server: its first reload is checked whatever the step
     assert due() == list(range(1, 13))
-    run.cfg = replace(run.cfg, verify_every=1)
-    run._verified_on_server = run.supervisor.restarts
+    versions.policy = replace(versions.policy, verify_every=1)
+    versions.verified_on_server = supervisor.restarts
     assert due() == list(range(1, 13))
-    run.cfg = replace(run.cfg, verify_adapter=False)
-    run._verified_on_server = None
+    versions.policy = replace(versions.policy, verify_adapter=False)
+    versions.verified_on_server = None
     assert due() == []
 
 

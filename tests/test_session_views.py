@@ -65,14 +65,14 @@ def test_a_failed_live_loop_ends_its_bar_red(tmp_path, monkeypatch):
     run = fake_run(tmp_path)
     steps = iter([{"step": 1, "reward_mean": 0.5}])
 
-    async def step(publish):  # run()'s step (GRPORun._watched_step)
+    async def step(release, publish):  # run()'s step (step.GRPOStep.step)
         row = next(steps, None)
         if row is None:
             raise RuntimeError("server lost")
         run.history.append(row)
         return row
 
-    run._watched_step = step
+    run.steps = SimpleNamespace(step=step)
     with pytest.raises(RuntimeError, match="server lost"):
         asyncio.run(run.run(3, live=True))
     assert finished == [False]

@@ -111,8 +111,7 @@ def test_the_gc_callback_is_removed_when_the_run_fails():
     trainer = StubTrainer()
     trainer.tokenizer = SimpleNamespace(apply_chat_template=None, encode=None, decode=None)
     trainer.score_tokens = lambda ids: []
-    run = SimpleNamespace(trainer=trainer, _save_served=lambda *a: None, history=SimpleNamespace(append=lambda r: None),
-                          _rollouts=None, _save_and_reload=None, supervisor=SimpleNamespace(publish=None))
+    run = SimpleNamespace(trainer=trainer)
     before = list(gc.callbacks)
     with pytest.raises(RuntimeError, match="cut short"):
         with sp.instrument_run(run, sp.Recorder()):
@@ -189,6 +188,8 @@ def test_two_steps_on_the_cpu_engine(tiny_model_dir, tmp_path):
         assert ep.get("POST /generate score", {}).get("n", 0) == (1 if s["step"] == 1 else 0)
         assert all(r["status"] == 200 and r["end_s"] >= r["start_s"] for r in mine)
         assert [x["name"] for x in s["spans"]].count("train_step") == 1
+        # the step's phases, from the run's clock (no method of the run is wrapped)
+        assert {"rollouts", "rewards", "version", "publish", "save", "history", "prune"} <= {x["name"] for x in s["spans"]}
         t = s["trainer"]  # inside train_step: every valid trajectory, in micro-batches, parts within it
         assert t["sequences"] <= s["row"]["samples"] and sum(rows for rows, _ in t["shapes"]) == t["sequences"]
         assert t["sequences"] <= t["tokens"] <= t["padded_tokens"] <= t["sequences"] * t["width"]

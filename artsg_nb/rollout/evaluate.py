@@ -8,12 +8,12 @@ as a DataFrame (samples.py's columns). Which prompts (`eval_seeds`):
   duck-typed: any `split` method) is evaluated on that split's rows: seeds 0..n-1, n defaulting to
   the split's length when it has one;
 - a task without splits (the generated demo tasks) is evaluated on env seeds from EVAL_SEED_BASE
-  on; training draws its seeds below 2**30 (GRPORun._seeds), so the two ranges are disjoint.
+  on; training draws its seeds below 2**30 (run.source.RolloutSource.seeds), so the two ranges are disjoint.
 pass@k: the fraction of prompts where at least one of the k samples scores >= `success_reward`
 (with greedy decoding, k = 1: the fraction answered correctly).
 
 What it does not do: train, save, load or unload an adapter (evaluation only reads the served
-one), or write the history (session.py puts `eval_reward` / `eval_pass_at_k` on the step's row).
+one), or write the history (run/step.py puts `eval_reward` / `eval_pass_at_k` on the step's row).
 """
 from __future__ import annotations
 

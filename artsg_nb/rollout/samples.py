@@ -10,7 +10,7 @@ from groups in memory (evaluation uses it). `constant_groups(groups)` counts gro
 members all have one reward (zero advantage: no learning signal) and says whether the step has
 nothing at all to learn from.
 
-What it does not do: decide what is trained (session.py skips the update of a step without
+What it does not do: decide what is trained (run/step.py skips the update of a step without
 signal; trainer.py and grpo.py compute the loss) or talk to a server.
 """
 from __future__ import annotations

@@ -28,26 +28,132 @@ logger = logging.getLogger(__name__)
 
 HISTORY_FILE = "history.jsonl"
 
-# The step row contract (docs/internals.md, "History columns"). Rows may carry extra keys; they
-# become extra columns after these.
-COLUMNS: tuple[str, ...] = (
-    "step", "adapter", "reward_mean", "reward_std", "loss", "kl", "clip_frac",
-    "is_ratio_mean", "is_ratio_min", "is_ratio_max", "is_raw_ratio_mean", "is_raw_ratio_min", "is_raw_ratio_max", "tokens", "completion_tokens",
-    "rollout_s", "train_s", "reload_s", "hit_rate", "hit_rate_reachable", "hit_rate_shared", "hit_rate_path",
-    "theoretical_hit_rate", "zero_adv_groups", "failed_rollouts",
-    "reward_errors", "truncated", "release_s", "resume_s", "eval_reward", "eval_pass_at_k",
-)
-# is_ratio_*: the importance-sampling weight the loss applied (grpo.policy_loss's names: after
-# is_mode's cap, e.g. ≤ is_clip_max = 3), None without IS correction; is_raw_ratio_*: the raw
-# ratio π_θ / π_server on model tokens (on-policy ≈ 1; a pipelined step's max can be far above the cap).
-# release_s / resume_s: seconds to give the server's GPU memory back before training and take it
-# again after; None (NaN in .df) when the run does not release (RunConfig.release_memory).
-# eval_reward / eval_pass_at_k: the held-out evaluation after this step (evaluate.py); None on
-# steps without one (RunConfig.eval_every).
-# hit_rate: the share of the step's prompt tokens the server served from its prefix cache (its own
-# sampling requests); hit_rate_reachable: what the submission path it took can reach, hit_rate_path
-# that path, hit_rate_shared what the cache could serve on top across groups (serving/metrics.py).
-TEXT_COLUMNS = frozenset({"adapter", "hit_rate_path"})
+
+# ---- the step row: the one schema (docs/internals.md, "History columns") ---------------------------
+@dataclass
+class MemoryFields:
+    """Seconds to give the server's GPU memory back before training and take it again after;
+    None (NaN in .df) when the run does not release (RunConfig.release_memory). Always in a row."""
+
+    release_s: float | None = None
+    resume_s: float | None = None
+
+
+@dataclass
+class PipelineFields:
+    """A pipelined step's columns (RunConfig.pipeline; absent from a synchronous row)."""
+
+    staleness: int
+    """0: the rollouts were sampled under the adapter the update started from; 1: one version
+    older, sampled ahead during the previous update."""
+    ahead_wait_s: float | None = None
+    """How long the update, once done, waited for the next step's rollouts (None without them)."""
+    reload_wait_s: float | None = None
+    """How long the step waited for its reload once both its update and the rollouts ahead had
+    ended (None on a step that skipped its update)."""
+
+
+@dataclass
+class EvalFields:
+    """The held-out evaluation after this step (evaluate.py; RunConfig.eval_every)."""
+
+    eval_reward: float | None
+    eval_pass_at_k: float | None
+
+
+@dataclass
+class FleetFields:
+    """A fleet's per-worker figures since the last step's scrape (serving.fleet.worker_stats)."""
+
+    worker_hit_rates: list
+    worker_prompt_tokens: list
+
+
+@dataclass
+class StepRow:
+    """One step's history row, typed: what `step_row` fills in and `History.append` writes (as
+    `as_dict()`: these keys in this order, a group's in its place; an absent optional group
+    (pipeline, eval, fleet) and an absent trainer_ranks are left out of the row)."""
+
+    step: int
+    adapter: str | None
+    """The adapter version the step trained (served after it, or left to the next step of run())."""
+    reward_mean: float
+    """Mean reward of the step's valid trajectories (NaN when none)."""
+    reward_std: float
+    loss: float | None
+    kl: float | None
+    clip_frac: float | None
+    is_ratio_mean: float | None
+    """The importance-sampling weight the loss applied (grpo.policy_loss, after is_mode's cap,
+    e.g. <= is_clip_max = 3), None without IS."""
+    is_ratio_min: float | None
+    is_ratio_max: float | None
+    is_raw_ratio_mean: float | None
+    """The raw ratio π_θ / π_server on model tokens (on-policy ≈ 1; a pipelined step's max can be
+    far above the cap)."""
+    is_raw_ratio_min: float | None
+    is_raw_ratio_max: float | None
+    grad_norm: float | None
+    tokens: int | None
+    completion_tokens: int | None
+    rollout_s: float | None
+    train_s: float | None
+    reload_s: float | None
+    hit_rate: float | None
+    """Share of the step's prompt tokens served from the prefix cache, from the server's own count
+    per sampling request (serving/metrics.py)."""
+    hit_rate_reachable: float | None
+    """What the step's submission path can reach (metrics.reachable_hit_rate)."""
+    hit_rate_shared: float | None
+    """What the cache could serve on top of that, across groups (a shared template or prefix)."""
+    hit_rate_path: str | None
+    """How the step's prompts were submitted ("warm-up first", "prefilled together", ...)."""
+    theoretical_hit_rate: float | None
+    """The older within-batch bound: every copy after the first of an identical prompt."""
+    memory: MemoryFields
+    zero_adv_groups: int | None
+    groups: int
+    update_skipped: bool
+    failed_rollouts: int
+    samples: int
+    reward_errors: int
+    truncated: int
+    restarts: int
+    probe_mad: float | None
+    probe_moved: float | None
+    trainer_ranks: int | None
+    """Trainer processes; only in the row of a run with trainer_ranks > 1."""
+    time: float
+    pipeline: PipelineFields | None = None
+    eval: EvalFields | None = None
+    fleet: FleetFields | None = None
+
+    def as_dict(self) -> dict:
+        row = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in GROUPS:
+                row.update({g.name: getattr(value, g.name) for g in fields(GROUPS[f.name])} if value else {})
+            elif value is not None or f.name != "trainer_ranks":
+                row[f.name] = value
+        return row
+
+
+GROUPS = {"memory": MemoryFields, "pipeline": PipelineFields, "eval": EvalFields, "fleet": FleetFields}
+"""StepRow's groups: fields whose columns are their dataclass's fields."""
+
+COLUMNS: tuple[str, ...] = tuple(
+    name for f in fields(StepRow)
+    for name in ([g.name for g in fields(GROUPS[f.name])] if f.name in GROUPS else [f.name]))
+"""Every column a step row may have, in row order (StepRow flattened). Rows may carry extra keys
+(a hand-made row, an older version's); .df puts them after these."""
+
+TEXT_COLUMNS = frozenset(
+    f.name for cls in (StepRow, *GROUPS.values()) for f in fields(cls)
+    if f.name not in GROUPS and ("str" in str(f.type) or "list" in str(f.type)))
+"""Columns .df leaves as they are (names, per-worker lists); the others become floats."""
+
 
 
 class History:
@@ -57,6 +163,8 @@ class History:
     history file it is moved aside (`history.<timestamp>.jsonl`, logged) rather than mixed with
     the new run. To continue a run use `History.load(run_dir)`.
     """
+
+    COLUMNS = COLUMNS
 
     def __init__(self, run_dir: str | Path, rows: list[dict] | None = None):
         self.run_dir = Path(run_dir)
@@ -104,8 +212,8 @@ class History:
 
     @property
     def df(self) -> pd.DataFrame:
-        """One row per step with the contract columns first; absent values are NaN."""
-        extra = [k for row in self._rows for k in row if k not in COLUMNS]
+        """One row per step with StepRow's columns first; absent values are NaN."""
+        extra = [k for row in self._rows for k in row if k not in COLUMNS]  # rows of older versions, hand-made rows
         columns = list(COLUMNS) + list(dict.fromkeys(extra))
         df = pd.DataFrame(self._rows, columns=columns)
         for column in COLUMNS:
@@ -226,80 +334,22 @@ def _format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds < 1 else f"{seconds:.1f} s"
 
 
-@dataclass
-class StepRow:
-    """One step's history row, typed: what `step_row` fills in and `History.append` writes (as
-    `as_dict()`, these keys in this order; docs/internals.md, "History columns")."""
-
-    step: int
-    adapter: str | None
-    """The adapter version served after the step."""
-    reward_mean: float
-    """Mean reward of the step's valid trajectories (NaN when none)."""
-    reward_std: float
-    loss: float | None
-    kl: float | None
-    clip_frac: float | None
-    is_ratio_mean: float | None
-    """The importance-sampling weight the loss applied (grpo.policy_loss), None without IS."""
-    is_ratio_min: float | None
-    is_ratio_max: float | None
-    is_raw_ratio_mean: float | None
-    """The raw ratio π_θ / π_server on model tokens (step_stats), before is_mode's cap."""
-    is_raw_ratio_min: float | None
-    is_raw_ratio_max: float | None
-    grad_norm: float | None
-    tokens: int | None
-    completion_tokens: int | None
-    rollout_s: float | None
-    train_s: float | None
-    reload_s: float | None
-    hit_rate: float | None
-    """Share of the step's prompt tokens served from the prefix cache (serving/metrics.py)."""
-    hit_rate_reachable: float | None
-    """What the step's submission path can reach (metrics.reachable_hit_rate)."""
-    hit_rate_shared: float | None
-    """What the cache could serve on top of that, across groups (a shared template or prefix)."""
-    hit_rate_path: str | None
-    """How the step's prompts were submitted ("warm-up first", "prefilled together", ...)."""
-    theoretical_hit_rate: float | None
-    """The older within-batch bound: every copy after the first of an identical prompt."""
-    release_s: float | None
-    resume_s: float | None
-    zero_adv_groups: int | None
-    groups: int
-    update_skipped: bool
-    failed_rollouts: int
-    samples: int
-    reward_errors: int
-    truncated: int
-    restarts: int
-    probe_mad: float | None
-    probe_moved: float | None
-    trainer_ranks: int | None
-    """Trainer processes; only in the row of a run with trainer_ranks > 1."""
-    time: float
-
-    def as_dict(self) -> dict:
-        row = {f.name: getattr(self, f.name) for f in fields(self)}
-        if row["trainer_ranks"] is None:
-            del row["trainer_ranks"]
-        return row
 
 
-def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: float | None,
-             times_s: tuple, probe: dict, memory_s: tuple, restarts: int) -> dict:
-    """One step's row (StepRow.as_dict): rewards of its trajectory groups, the trainer's metrics,
-    its hit rate, (rollout_s, train_s, reload_s), the served-adapter probe, (release_s,
-    resume_s), restarts."""
+def step_row(step: int, adapter: str | None, groups, metrics: dict, *, hit_rate: float | None = None,
+             rollout_s: float | None = None, train_s: float | None = None, reload_s: float | None = None,
+             probe: dict | None = None, memory: MemoryFields | None = None, restarts: int = 0,
+             pipeline: PipelineFields | None = None, eval: EvalFields | None = None,
+             fleet: FleetFields | None = None) -> StepRow:
+    """One step's row: rewards of its trajectory groups, the trainer's metrics, its hit rate and
+    seconds, the served-adapter probe, the memory released around the update, restarts, and the
+    optional groups."""
     trajs = [t for g in groups for t in g.trajectories]
     rewards = [t.reward for t in trajs if is_valid(t)]
     mean = sum(rewards) / len(rewards) if rewards else float("nan")
     std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
-    rollout_s, train_s, reload_s = times_s
-    release_s, resume_s = memory_s
     reach = reachable_hit_rate(groups)
-    m = metrics.get
+    m, probe = metrics.get, probe or {}
     return StepRow(
         step=step, adapter=adapter, reward_mean=mean, reward_std=std,
         loss=m("loss"), kl=m("kl"), clip_frac=m("clip_frac"),
@@ -310,10 +360,10 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, hit_rate: fl
         rollout_s=rollout_s, train_s=train_s, reload_s=reload_s, hit_rate=hit_rate,
         hit_rate_reachable=reach.rate, hit_rate_shared=reach.shared if reach.rate is not None else None,
         hit_rate_path=reach.path if reach.rate is not None else None,
-        theoretical_hit_rate=theoretical_hit_rate(groups), release_s=release_s, resume_s=resume_s,
+        theoretical_hit_rate=theoretical_hit_rate(groups), memory=memory or MemoryFields(),
         zero_adv_groups=m("zero_adv_groups"), groups=len(groups), update_skipped=bool(m("update_skipped")),
         failed_rollouts=sum(t.error is not None for t in trajs), samples=len(trajs),
         reward_errors=sum(t.reward_error is not None for t in trajs),
         truncated=sum(bool(t.truncated) for t in trajs), restarts=restarts,
         probe_mad=probe.get("probe_mad"), probe_moved=probe.get("probe_moved"),
-        trainer_ranks=metrics.get("ranks"), time=time.time()).as_dict()
+        trainer_ranks=m("ranks"), time=time.time(), pipeline=pipeline, eval=eval, fleet=fleet)

@@ -3,7 +3,7 @@
 What it does: `SampleAhead` supplies the two halves of a step that pipelining changes.
 `rollouts(step)` returns the step's groups: those sampled ahead during the previous update when
 they are for this step, else a fresh synchronous rollout (the first step, a resumed run, a step
-after a skipped update or an error). `train(groups, step, update, release, save)` starts the rollouts of
+after a skipped update or an error). `train(groups, step, release)` starts the rollouts of
 step+1 as an asyncio task on the server (under the newest published adapter, the one the update
 starts from) and runs the trainer's update in a worker thread meanwhile, then, in the same thread,
 saves the new adapter version (a 256-token step's rollouts outlast its update by ~0.5 s on an
@@ -11,10 +11,10 @@ H100), and loads it into the server beside them (`stage`); the version is served
 unloaded) only once those rollouts are in: the unload waits for the requests of the adapter they
 sample from.
 So step n+1 trains on rollouts one adapter version old: staleness at most 1, recorded per row
-(`row`: `staleness`, `ahead_wait_s`: how long the update and its save waited for them, `reload_wait_s`:
+(`fields`, history.PipelineFields: `staleness`, `ahead_wait_s`: how long the update and its save waited for them, `reload_wait_s`:
 how long the step waited for its reload once both the update and those rollouts had ended; reload_s
 counts the save and load wherever they ran), corrected by importance
-sampling against the server's logprobs (session makes grpo.is_mode default to "token_truncate",
+sampling against the server's logprobs (session.py makes grpo.is_mode default to "token_truncate",
 TRL's truncated IS, when pipelining).
 In `GRPORun.run()` a step followed by another may leave its version unpublished when the rollouts
 ahead ended before its update (an 8-token step's: the save and load would come after both, on the
@@ -29,24 +29,28 @@ the step that started it (a step is one `asyncio.run` in a notebook cell), so ev
 and stop() never race one. A failure of the rollouts ahead is logged and the next step rolls out
 afresh; a failed or cancelled update cancels them, and a cancelled step undoes an update the
 worker thread finished (a thread cannot be stopped), so step() can simply be run again. With
-pipeline=False both halves are the synchronous code as it was.
+pipeline=False `rollouts` is the step's synchronous rollout and the step trains without this
+(run/step.py, released.py).
 
-What it does not do: decide what a step is (session.py), restart servers (supervisor.py), or the
-IS math (rl/grpo.py). It is handed the trainer, run_dir, the supervisor and the run's rollout
-function; it knows nothing of the run above it.
+What it does not do: decide what a step is (run/step.py), restart servers (supervisor.py), save
+or serve versions (versions.py), or the IS math (rl/grpo.py). It is handed the trainer, run_dir,
+the supervisor, the rollout source, the adapter versions and the clock; it knows nothing of the
+run above it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-import time
-from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from types import MappingProxyType
 
 from ..rl.lora import adapter_name
+from .clock import PhaseClock
+from .history import PipelineFields
+from .results import Rollouts, Saved, Update
+from .source import RolloutSource
 from .supervisor import ServerSupervisor
+from .versions import AdapterVersions
 
 log = logging.getLogger(__name__)
 
@@ -60,81 +64,67 @@ class SampleAhead:
     """Rollouts of step n+1 on the server while the trainer updates on step n's (module docstring)."""
 
     def __init__(self, pipeline: bool, trainer, run_dir: Path, supervisor: ServerSupervisor,
-                 rollouts: Callable[[int], Awaitable[tuple]], stage: Callable[[tuple], Awaitable[tuple]] | None = None,
-                 serve_newest: Callable[[], Awaitable[None]] | None = None,
-                 weights_version: Callable[[], str | None] | None = None):
+                 source: RolloutSource | None, versions: AdapterVersions | None, clock: PhaseClock | None = None):
         self.pipeline = pipeline
         self.trainer = trainer
         self.run_dir = run_dir
         self.supervisor = supervisor
-        self._rollouts = rollouts  # step -> (groups, hit_rate): the run's rollouts of that step
-        self._stage = stage  # saved -> saved: the saved version loaded into the server, not served yet
-        self._serve_newest = serve_newest  # serves a version the step before left unpublished, if any
-        self._weights_version = weights_version or (lambda: supervisor.weights_version)  # the trainer's
-        self.ahead: tuple | None = None  # (step, groups, hit_rate, rollout_s) sampled during the last update
+        self.source = source  # the step's rollouts (RolloutSource.rollouts)
+        self.versions = versions  # saves, stages and serves the versions
+        self.clock = clock or PhaseClock()
+        self.ahead: Rollouts | None = None  # sampled during the last update
         self.ahead_task: asyncio.Task | None = None  # the rollouts being sampled ahead, while a step runs
-        self.row: Mapping = MappingProxyType({})  # this step's pipelining columns of the history row
+        self.fields: PipelineFields | None = None  # this step's pipelining columns of the history row
 
-    async def rollouts(self, step: int):
-        """(groups, hit_rate, rollout_s) of `step`: sampled ahead, or rolled out now."""
+    async def rollouts(self, step: int) -> Rollouts:
+        """`step`'s rollouts: sampled ahead, or rolled out now."""
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead[0] == step:
-            groups, hit, rollout_s = ahead[1:]
-        else:
-            groups, hit, rollout_s = await self._timed_rollouts(step)
-        self.row = ({"staleness": staleness(groups, self._weights_version()), "ahead_wait_s": None,
-                     "reload_wait_s": None} if self.pipeline else {})
-        return groups, hit, rollout_s
+        rollouts = ahead if ahead is not None and ahead.step == step else await self._timed_rollouts(step)
+        self.fields = PipelineFields(staleness(rollouts.groups, self.versions.weights_version)) if self.pipeline else None
+        return rollouts
 
-    async def _timed_rollouts(self, step: int):
-        """(groups, hit_rate, rollout_s) of `step`, under the trainer's newest version: one the step
-        before left unpublished is served first (its seconds are not rollout_s)."""
-        if self._serve_newest is not None:
-            await self._serve_newest()
-        t0 = time.perf_counter()
-        groups, hit = await self.supervisor.with_restarts(self._rollouts, step)
-        return groups, hit, time.perf_counter() - t0
+    async def _timed_rollouts(self, step: int) -> Rollouts:
+        """`step`'s rollouts under the trainer's newest version: one the step before left
+        unpublished is served first (its seconds are not rollout_s)."""
+        await self.versions.serve_newest(scrape=True)
+        with self.clock.phase("rollouts") as lap:
+            groups, hit = await self.supervisor.with_restarts(self.source.rollouts, step)
+        return Rollouts(step, groups, hit, lap.seconds)
 
-    async def train(self, groups, step: int, update, release: bool, save: Callable[[], tuple] | None = None,
-                    leave_unpublished: bool = False):
-        """(metrics, train_s, (release_s, resume_s), saved): `update(groups)` (the synchronous
-        update, when not pipelining: it returns the same, saved None), or the trainer's update
-        overlapped with step+1's rollouts, followed in its worker thread by `save()` (the new
-        adapter version written while those rollouts still run; saved is what it returned, None
-        without `save`), then by the constructor's `stage(saved)` beside the rollouts still
-        running (saved is then what that returned). With `leave_unpublished` (the next step serves
-        the version) it is staged only while those rollouts still run: after them the next step
-        loads it beside its own update."""
-        if not self.pipeline:
-            return await update(groups)
+    async def train(self, groups, step: int, release: bool, leave_unpublished: bool = False) -> Update:
+        """The trainer's update overlapped with step+1's rollouts, followed in its worker thread by
+        the save of the new version (versions.save_ahead, while those rollouts still run; None
+        while the served version's checkpoint is only in memory), then by its stage in the server
+        beside the rollouts still running (`Update.saved` is then what that returned). With
+        `leave_unpublished` (the next step serves the version) it is staged only while those
+        rollouts still run: after them the next step loads it beside its own update."""
         if release:
             raise ValueError("pipeline=True with release_memory: the server cannot give its memory back while "
                              "it samples the next step's rollouts. Turn one of them off (run.release = False).")
         before = self.trainer.step
         ahead = self.ahead_task = asyncio.ensure_future(self._timed_rollouts(step + 1))
         ahead_done_at: list[float] = []  # when the rollouts ahead ended (the callback runs before this task wakes)
-        ahead.add_done_callback(lambda _: ahead_done_at.append(time.perf_counter()))
+        ahead.add_done_callback(lambda _: ahead_done_at.append(self.clock.now()))
         trained, staging = False, None
         try:
-            metrics, train_s, saved, trained_at = await self._train_in_thread(groups, before, save)
+            update, trained_at = await self._train_in_thread(groups, before)
             trained = True
-            if saved is not None and self._stage is not None and not (leave_unpublished and ahead.done()):
-                staging = asyncio.ensure_future(self._stage(saved))
-            t1 = time.perf_counter()
-            try:
-                self.ahead = (step + 1, *await ahead)
-            except (Exception, asyncio.CancelledError) as e:  # the update is done: step+1 rolls out afresh
-                if asyncio.current_task().cancelling():  # this step is cancelled, not just the rollouts (stop())
-                    raise
-                log.warning("rollouts of step %d sampled ahead failed or were cancelled (%r); step %d rolls "
-                            "out afresh", step + 1, e, step + 1)
-            t2 = time.perf_counter()
-            self.row["ahead_wait_s"] = t2 - t1
+            if update.saved is not None and not (leave_unpublished and ahead.done()):
+                staging = asyncio.ensure_future(self.versions.stage(update.saved))
+            with self.clock.phase("ahead_wait") as lap:
+                try:
+                    self.ahead = await ahead
+                except (Exception, asyncio.CancelledError) as e:  # the update is done: step+1 rolls out afresh
+                    if asyncio.current_task().cancelling():  # this step is cancelled, not just the rollouts (stop())
+                        raise
+                    log.warning("rollouts of step %d sampled ahead failed or were cancelled (%r); step %d rolls "
+                                "out afresh", step + 1, e, step + 1)
+            self.fields.ahead_wait_s = lap.seconds
             if staging is not None:
-                saved = await staging
+                update.saved = await staging
             # from when both the update and the rollouts ahead had ended: the save and load left then
-            ready = max(trained_at, ahead_done_at[0] if ahead_done_at else t2)
-            self.row["reload_wait_s"] = time.perf_counter() - ready  # the session adds its publish's seconds
+            ready = max(trained_at, ahead_done_at[0] if ahead_done_at else lap.t0 + lap.seconds)
+            self.fields.reload_wait_s = self.clock.now() - ready  # the step adds its publish's seconds
         except BaseException:
             if staging is not None and not staging.done():
                 staging.cancel()  # a load the server may still make: the next stage or publish unloads it
@@ -145,21 +135,20 @@ class SampleAhead:
             raise
         finally:
             self.ahead_task = None
-        return metrics, train_s, (None, None), saved
+        return update
 
-    async def _train_in_thread(self, groups, before: int, save) -> tuple:
-        """(metrics, train_s, saved, trained_at): trainer.train_step, then `save()`, in a worker
-        thread, so the event loop keeps sampling meanwhile; trained_at is the perf_counter() at which
-        the update ended. A `save` that fails undoes the update itself; once the
-        step is cancelled nothing more is saved."""
+    async def _train_in_thread(self, groups, before: int) -> tuple[Update, float]:
+        """(update, trained_at): trainer.train_step, then versions.save_ahead, in a worker thread,
+        so the event loop keeps sampling meanwhile; trained_at is the clock's time at which the
+        update ended. A save that fails undoes the update itself; once the step is cancelled
+        nothing more is saved."""
         cancelled = threading.Event()
 
-        def work():
-            t0 = time.perf_counter()
-            metrics = self.trainer.train_step(groups)
-            trained_at = time.perf_counter()
-            saved = save() if save is not None and not cancelled.is_set() else None
-            return metrics, trained_at - t0, saved, trained_at
+        def work() -> tuple[Update, float]:
+            with self.clock.phase("train") as lap:
+                metrics = self.trainer.train_step(groups)
+            saved: Saved | None = self.versions.save_ahead() if not cancelled.is_set() else None
+            return Update(metrics, lap.seconds, saved=saved), lap.t0 + lap.seconds
 
         update = asyncio.ensure_future(asyncio.to_thread(work))
         try:
@@ -170,7 +159,6 @@ class SampleAhead:
             if update.exception() is None:
                 self._roll_back(before)
             raise
-
     def _roll_back(self, step: int) -> None:
         """The trainer back to the saved version `step` (weights, optimizer, step, RNG): the version
         this trainer saved itself, so no checksum is asked of it (its seal may still be under way in

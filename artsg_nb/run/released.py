@@ -5,23 +5,25 @@ trainer.train_step: with `release` on (one shared GPU) the server gives its memo
 and takes it again after, so the trainer gets the GPU. A failed release raises before anything is
 trained (the step can run again); a server that died is restarted as in rollouts (a fresh one has
 nothing to resume). If training fails, the memory is taken back before the error goes up. With
-`release` off it is trainer.train_step, timed. The watchdog sends no /health probe meanwhile.
+`release` off it is trainer.train_step, timed (the run's PhaseClock: phases release, train,
+resume). The watchdog sends no /health probe meanwhile.
 
-What it does not do: decide when a step trains (session.py, pipeline.py) or speak the release
+What it does not do: decide when a step trains (step.py, pipeline.py) or speak the release
 routes (engines/). It is handed the trainer and the supervisor (the server's client, restarts and
 watchdog); it knows nothing of the run above it.
 """
 from __future__ import annotations
 
 import logging
-import time
 
+from .clock import PhaseClock
+from .results import Update
 from .supervisor import ServerSupervisor
 
 log = logging.getLogger(__name__)
 
 
-async def _resume(trainer, supervisor: ServerSupervisor, take_again) -> float:
+async def _resume(trainer, supervisor: ServerSupervisor, take_again, clock: PhaseClock) -> float:
     """The server takes its memory back; the trainer's cached GPU memory (it sized its micro-batches
     from what the server gave back) is returned to the device first, and a failure there does not
     keep the server from resuming."""
@@ -29,30 +31,33 @@ async def _resume(trainer, supervisor: ServerSupervisor, take_again) -> float:
         trainer.release_cached_memory()
     except Exception as e:
         log.error("could not empty the trainer's GPU memory cache before the server resumes: %s", e)
-    return await supervisor.with_restarts(take_again)
+    with clock.phase("resume"):
+        return await supervisor.with_restarts(take_again)  # the engine client's own seconds
 
 
-async def train_released(trainer, groups, supervisor: ServerSupervisor, release: bool,
-                         tags) -> tuple[dict, float, tuple]:
-    """(metrics, train_s, (release_s, resume_s)); the pair is (None, None) when release is off."""
+async def train_released(trainer, groups, supervisor: ServerSupervisor, release: bool, tags,
+                         clock: PhaseClock) -> Update:
+    """The update (nothing saved yet); release_s and resume_s are None when release is off."""
     with supervisor.watchdog.paused():  # no /health probes while the memory is released
-        return await _train(trainer, groups, supervisor, release, tags)
+        return await _train(trainer, groups, supervisor, release, tags, clock)
 
 
-async def _train(trainer, groups, supervisor: ServerSupervisor, release: bool, tags) -> tuple[dict, float, tuple]:
+async def _train(trainer, groups, supervisor: ServerSupervisor, release: bool, tags, clock: PhaseClock) -> Update:
     give_back = lambda: supervisor.client.release_memory(tags)  # noqa: E731  (the client after a restart)
     take_again = lambda: supervisor.client.resume_memory()  # noqa: E731
-    release_s = await supervisor.with_restarts(give_back) if release else None
-    t0 = time.perf_counter()
+    release_s = None
+    if release:
+        with clock.phase("release"):
+            release_s = await supervisor.with_restarts(give_back)  # the engine client's own seconds
     try:
-        metrics = trainer.train_step(groups)
+        with clock.phase("train") as lap:
+            metrics = trainer.train_step(groups)
     except BaseException:
         if release:
             try:
-                await _resume(trainer, supervisor, take_again)
+                await _resume(trainer, supervisor, take_again, clock)
             except Exception as e:  # the training error is the one to report
                 log.error("could not resume the server's memory after a failed training step: %s", e)
         raise
-    train_s = time.perf_counter() - t0
-    resume_s = await _resume(trainer, supervisor, take_again) if release else None
-    return metrics, train_s, (release_s, resume_s)
+    resume_s = await _resume(trainer, supervisor, take_again, clock) if release else None
+    return Update(metrics, lap.seconds, release_s, resume_s)

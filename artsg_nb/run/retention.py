@@ -3,10 +3,10 @@
 What it does: `prune_adapters(adapters_dir, keep_last, keep_every, protect)` deletes
 `policy-step-N` folders except the newest `keep_last`, every step divisible by `keep_every`, and
 the steps in `protect` (the session passes the served version and this step's), and the newest
-complete checkpoint, which is what resume restores (session._restore_latest). `keep_last=0` keeps
+complete checkpoint, which is what resume restores (versions.AdapterVersions.begin). `keep_last=0` keeps
 everything (the default: nothing is ever deleted unless asked).
 
-What it does not do: decide what is served or resumed (session.py), or delete anything that is
+What it does not do: decide what is served or resumed (versions.py), or delete anything that is
 not a `policy-step-N` folder (temporary folders of a save in progress are left to lora.py).
 """
 from __future__ import annotations

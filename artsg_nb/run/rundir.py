@@ -84,7 +84,7 @@ def take_over(run) -> None:
     key = Path(run.run_dir).resolve()
     old = _live_runs.get(key)
     if old is not None and old is not run and _holds_lock(old):
-        if getattr(old, "_adapter_lock", None) is not None:  # set from a step's start to its end (session)
+        if getattr(old, "in_step", False):  # from a step's start to its end (session.GRPORun.in_step)
             raise RunDirBusyError(
                 f"{run.run_dir} is used by a run of this kernel that is in the middle of a step. "
                 "Try: wait for that step (or interrupt it), then start again; or use another run_dir.")

@@ -10,7 +10,7 @@ version the trainer's weights are (`weights_version`, set by `publish`), never t
 its place. Restarts exhausted: `ServerLostError` with the cause, what to do and the log tail;
 completed steps stay in run_dir.
 
-What it does not do: decide what a step is (session.py), start processes (serving/), or keep
+What it does not do: decide what a step is (step.py), start processes (serving/), or keep
 adapter versions (rl/lora.py). It is handed the watchdog, the restart bound and run_dir, and is
 given the server and publisher once they are started; it knows nothing of the run above it.
 """

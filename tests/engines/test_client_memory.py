@@ -54,7 +54,7 @@ def test_steps_release_while_training_and_record_the_times(run, monkeypatch):
     assert df["release_s"].notna().all() and df["resume_s"].notna().all()
     assert "release" in run.history.format_row(row) and "resume" in run.history.format_row(row)
     assert run.client.released_tags == () and run.plan.release_server_memory and run.server.config.enable_memory_saver
-    groups, _ = asyncio.run(run._rollouts(2))  # the next step's rollouts, on the resumed memory
+    groups, _ = asyncio.run(run.source.rollouts(2))  # the next step's rollouts, on the resumed memory
     assert all(t.error is None and t.reward is not None for g in groups for t in g.trajectories)
 
 

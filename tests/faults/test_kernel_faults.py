@@ -65,7 +65,7 @@ def test_restart_policy_off_raises_server_lost_at_once(tmp_path, fake_engine, fa
         raise AssertionError("must not run: the server is gone")
 
     with pytest.raises(ServerLostError) as err:
-        asyncio.run(run._with_restarts(rollouts))
+        asyncio.run(run.supervisor.with_restarts(rollouts))
     msg = str(err.value)
     assert "the cpu server was killed by SIGKILL" in msg and "automatic restarts are off (max_restarts=0)" in msg
     assert f"Completed steps (adapters, optimizer state, history) are saved in {tmp_path}" in msg

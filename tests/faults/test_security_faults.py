@@ -197,10 +197,12 @@ def test_copied_run_dir_record_leaves_the_original_server_alone(tmp_path, fake_e
 
 def test_failed_start_stops_the_server_and_releases_the_lock(tmp_path, model_dir, monkeypatch,
                                                              private_server_records):
-    def broken_trainer(self, model_path):
+    import artsg_nb.run.session as session_module
+
+    def broken_trainer(*args, **kwargs):  # rl.distributed.make_trainer, as the run calls it
         raise RuntimeError("injected: the trainer cannot be built")
 
-    monkeypatch.setattr(GRPORun, "_make_trainer", broken_trainer)
+    monkeypatch.setattr(session_module, "make_trainer", broken_trainer)
     run = GRPORun(RunConfig(engine="cpu", model_path=str(model_dir), run_dir=str(tmp_path), verbose=False))
     try:
         with pytest.raises(RuntimeError, match="injected"):

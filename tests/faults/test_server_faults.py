@@ -180,17 +180,17 @@ def test_server_killed_during_rollouts_restarts_and_redoes_the_step(run, referen
     step(run)  # step 1, undisturbed
     before = faults.file_digests(run.run_dir / "adapters")  # policy-step-0/1: adapter, optimizer, step, RNG
     attempts = []
-    rollouts = run._rollouts
+    rollouts = run.source.rollouts
 
     async def counted(n):
         attempts.append(n)
         return await rollouts(n)
 
-    monkeypatch.setattr(run, "_rollouts", counted)
+    monkeypatch.setattr(run.source, "rollouts", counted)
     # One request at a time: group 2's goes out as group 1's answer comes in, before group 1's
     # episodes take their replies, so the kill at the 3rd reply always finds it unanswered. With
     # both in flight, a loaded machine could have read group 2's answer first: nothing failed.
-    monkeypatch.setattr(run, "cfg", replace(run.cfg, concurrency=1))
+    monkeypatch.setattr(run.source, "cfg", replace(run.cfg, concurrency=1))
     kill = faults.kill_after_replies(run, 3)  # 3 of the 8 rollouts done, the other group's in flight
 
     row = step(run)

@@ -13,12 +13,13 @@ in one event loop and records, per step:
              sent and received, how many samples it asked for), from a timing wrapper around the
              httpx transport of each connection pool the engine client makes; the health
              watchdog's polls are recorded apart (task "watchdog"), they overlap the step
-  spans      the kernel's synchronous work, timed by wrappers set on this run's objects:
-             train_step (training), trainer_score (the adapter check's trainer side),
-             save_adapter, tokenizer (chat template / encode / decode), write_rollouts,
-             history_write, prune_adapters, http_pools (the client making its httpx pools, once
-             per event loop); and the async phases rollouts, publish,
-             save_and_reload (save + publish + the served-adapter check)
+  spans      the kernel's synchronous work: train_step (training) and trainer_score (the adapter
+             check's trainer side), tokenizer (chat template / encode / decode) and http_pools
+             (the client making its httpx pools, once per event loop), timed by wrappers on this
+             run's trainer, tokenizer and client; and from the run's own phase clock
+             (`run.clock`, artsg_nb/run/clock.py) the step's phases as it timed them: save,
+             rewards (writing the rollouts), history, prune (synchronous), and rollouts, publish,
+             version (save + publish + the served-adapter check), verify
   trainer    inside train_step (issue 26: its time swung 0.03-2.08 s step to step on the H200): the
              batch (sequences x padded width, real tokens), the (rows, length) of each micro-batch
              the model saw and whether one is new to the run, seconds per 1k padded tokens,
@@ -28,8 +29,8 @@ in one event loop and records, per step:
              summary sets the steps that met a new shape beside those that did not
   stalls     event-loop stalls over 20 ms (a task sleeping 10 ms that woke late), and how much
              of them no known synchronous span explains
-  phases     rollout_s, train_s, reload_s of the step's history row; verify_s (the served-adapter
-             check after the reload) and other_s (the rest of the wall time), measured here
+  phases     rollout_s, train_s, reload_s of the step's history row; verify_s (the clock's verify
+             phase: the served-adapter check after the reload) and other_s (the rest of the wall time)
 
 and splits the step's wall time into exclusive parts, each instant counted once: a rollout
 /generate in flight ("decoding"), else another request in flight (by endpoint), else a
@@ -53,8 +54,8 @@ the vLLM dialect's routes by kind (its requests are counted by path only). A req
 includes any moment the kernel was busy while its answer waited (the stalls say how much). The
 client is instrumented at each step's start: after a server restart within a step (the row's
 `restarts`) the rest of that step's requests go unseen. RunConfig.pipeline stays off (default).
-Package code is untouched: the seams are this run's instances (client, trainer, tokenizer,
-supervisor, history) and two names in `artsg_nb.run.session`, restored at the end.
+Package code is untouched and nothing of the run is patched: the step's phases come from its
+clock; the wrappers sit on this run's trainer, tokenizer and client only.
 """
 from __future__ import annotations
 
@@ -78,16 +79,15 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's artsg_nb first
 from artsg_nb import GRPORun, RunConfig  # noqa: E402
 from artsg_nb.files import write_atomic  # noqa: E402
-from artsg_nb.run import session as session_module  # noqa: E402
 from artsg_nb.run.config import resolve_schedule  # noqa: E402
 
 ROLLOUT = "POST /generate rollout"
 TRAIN = "train_step"
 STALL_TICK_S, STALL_MIN_S = 0.010, 0.020
 TRAINER_PARTS = ("make_batch", "backward", "optimizer_step")  # nested in train_step
-SYNC_SPANS = ("train_step", "trainer_score", "save_adapter", "tokenizer", "write_rollouts", "history_write",
-              "prune_adapters", "http_pools")
-PHASES = {"publish": 3.0, "rollouts": 3.1, "save_and_reload": 3.2}  # innermost first when nested
+CLOCK_SYNC = ("save", "rewards", "history", "prune")  # the run's clock's synchronous phases
+SYNC_SPANS = ("train_step", "trainer_score", "tokenizer", "http_pools", *CLOCK_SYNC)
+PHASES = {"publish": 3.0, "rollouts": 3.1, "version": 3.2}  # the clock's async phases, innermost first
 
 
 @dataclass
@@ -231,44 +231,30 @@ def _sync_span(rec: Recorder, name: str, fn):
     return timed
 
 
-def _async_span(rec: Recorder, name: str, fn):
-    async def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return await fn(*args, **kwargs)
-        finally:
-            rec.spans.append({"name": name, "t0": t0, "t1": time.perf_counter(), "nested": False})
-    return timed
-
-
 @contextlib.contextmanager
 def instrument_run(run: GRPORun, rec: Recorder):
-    """Time this run's parts by instance attributes (looked up at call time by session.py), and
-    two module-level names of session.py, put back on exit."""
+    """Time this run's trainer and tokenizer by instance attributes (looked up at call time), and
+    record collections on the training thread until exit."""
     trainer, tok = run.trainer, run.trainer.tokenizer
-    for obj, attr, name in [(trainer, "train_step", "train_step"), (trainer, "score_tokens", "trainer_score"),
-                            (run, "_save_served", "save_adapter"), (run.history, "append", "history_write")]:
-        setattr(obj, attr, _sync_span(rec, name, getattr(obj, attr)))
+    for attr, name in (("train_step", "train_step"), ("score_tokens", "trainer_score")):
+        setattr(trainer, attr, _sync_span(rec, name, getattr(trainer, attr)))
     instrument_trainer(trainer, rec)
     for attr in ("apply_chat_template", "encode", "decode"):
         try:  # best effort: a tokenizer class that refuses instance attributes is left untimed
             setattr(tok, attr, _sync_span(rec, "tokenizer", getattr(tok, attr)))
         except (AttributeError, TypeError) as e:
             print(f"note: tokenizer.{attr} not timed ({e})", flush=True)
-    run._rollouts = _async_span(rec, "rollouts", run._rollouts)
-    run._save_and_reload = _async_span(rec, "save_and_reload", run._save_and_reload)
-    run.supervisor.publish = _async_span(rec, "publish", run.supervisor.publish)
-    saved = {n: getattr(session_module, n) for n in ("write_rollouts", "prune_adapters")}
-    for n, fn in saved.items():
-        setattr(session_module, n, _sync_span(rec, n, fn))
     on_gc = _gc_recorder(rec)
     gc.callbacks.append(on_gc)
     try:
         yield
     finally:
         gc.callbacks.remove(on_gc)
-        for n, fn in saved.items():
-            setattr(session_module, n, fn)
+
+
+def clock_spans(run: GRPORun, t0: float) -> list[dict]:
+    """The phases the run's clock timed since t0 (its scale is perf_counter's), as spans."""
+    return [{"name": s.name, "t0": s.t0, "t1": s.t1, "nested": False} for s in run.clock.since(t0)]
 
 
 # ---- inside train_step ---------------------------------------------------------------------------
@@ -436,9 +422,9 @@ def analyse_step(step_no: int, t0: float, t1: float, row: dict, reqs, spans, sta
     sync = [(s["t0"], s["t1"]) for s in spans if s["name"] in SYNC_SPANS and not s["nested"]]
     stall_s = covered_s(stalls, (t0, t1))
     unexplained = stall_s - covered_s([(max(a, c), min(b, d)) for a, b in stalls for c, d in sync])
-    save_reload = sum(s["t1"] - s["t0"] for s in spans if s["name"] == "save_and_reload")
+    verify = [s["t1"] - s["t0"] for s in spans if s["name"] == "verify"]
     phases = {k: row.get(k) for k in ("rollout_s", "train_s", "reload_s")}
-    phases["verify_s"] = max(0.0, save_reload - (row.get("reload_s") or 0.0)) if save_reload else None
+    phases["verify_s"] = sum(verify) if verify else None
     phases["other_s"] = wall - sum(v or 0.0 for v in phases.values())
     return {
         "step": step_no, "wall_s": wall, "phases": phases, "server_s": server, "kernel_s": wall - server,
@@ -649,7 +635,8 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
                 t0 = time.perf_counter()
                 row = await run.step()
                 t1 = time.perf_counter()
-                s = analyse_step(n, t0, t1, row, *rec.take())
+                requests, spans, stalls, train_records = rec.take()
+                s = analyse_step(n, t0, t1, row, requests, spans + clock_spans(run, t0), stalls, train_records)
                 s["server"] = server_delta(before, await server_text(run))  # its request is dropped by take()
                 print_step(s)
                 print_server(s["server"])

@@ -127,8 +127,9 @@ def plot_hit_rate(df: pd.DataFrame, ax: Axes | None = None, theoretical: float |
     if ok.sum() <= 12:  # labels stay readable up to about a dozen bars
         ax.bar_label(bars, fmt="%.2f", fontsize="x-small", padding=1)
     ax.plot(step, rate, color="tab:cyan", linewidth=0)  # a Line2D too, for code that reads .lines
-    if "worker_hit_rates" in df:  # several servers (RunConfig.num_servers): a thin line per worker
-        per = pd.DataFrame([r if isinstance(r, list) else [] for r in df["worker_hit_rates"]], dtype=float)
+    lists = [r if isinstance(r, list) else [] for r in df["worker_hit_rates"]] if "worker_hit_rates" in df else []
+    if any(lists):  # several servers (RunConfig.num_servers): a thin line per worker
+        per = pd.DataFrame(lists, dtype=float)
         for w in per:
             ax.plot(step, per[w].to_numpy(), linewidth=0.8, alpha=0.8, label=f"worker {w}")
         ax.legend(loc="lower right", fontsize="x-small")

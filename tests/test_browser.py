@@ -20,13 +20,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from waiting import poll_until
 
 pytestmark = pytest.mark.browser
 
@@ -112,15 +113,17 @@ def shrink_parameters(path: Path) -> None:
 
 
 def wait_for_lab(lab: Lab, log_path: Path) -> None:
-    deadline = time.monotonic() + LAB_START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    def answers() -> bool:
         if lab.proc.poll() is not None:
             pytest.fail(f"JupyterLab exited ({lab.proc.returncode}):\n{log_path.read_text()[-3000:]}")
         try:
             lab.api("status")
-            return
+            return True
         except OSError:
-            time.sleep(0.5)
+            return False
+
+    if poll_until(answers, LAB_START_TIMEOUT_S, poll_s=0.5):
+        return
     pytest.fail(f"JupyterLab gave no /api/status in {LAB_START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
 
 
@@ -143,19 +146,22 @@ def wait_kernel_idle(lab: Lab, timeout_s: float = 60) -> dict:
     can answer that listing 500: the kernel is listed before its start returns, but kernel_model reads
     `last_activity` / `execution_state`, set only after it (an AttributeError; CI hit it at bed33b1).
     So a 5xx is polled through, and a real failure ends with JupyterLab's log."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
+    last = idle = None
+
+    def all_idle() -> bool:
+        nonlocal last, idle
         try:
             kernels = last = lab.api("kernels")
         except urllib.error.HTTPError as err:
             if err.code < 500:
                 raise
             last = f"HTTP {err.code} from /api/kernels"
-            kernels = None
-        if kernels and all(k["execution_state"] == "idle" for k in kernels):
-            return kernels[0]
-        time.sleep(0.5)
+            return False
+        idle = kernels[0] if kernels and all(k["execution_state"] == "idle" for k in kernels) else None
+        return idle is not None
+
+    if poll_until(all_idle, timeout_s, poll_s=0.5):
+        return idle
     pytest.fail(f"the kernel was not idle within {timeout_s} s (last answer: {last}); JupyterLab's log:\n"
                 f"{lab.log_tail()}")
 
@@ -177,14 +183,20 @@ def failed_cell_output(page) -> str:
 def server_record(lab: Lab, timeout_s: float, errors_shown=lambda: "") -> dict:
     """The pid record the CPU engine server writes in the notebook's run directory, read as soon as
     it appears (the stop cell, queued behind the others, removes it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    record = None
+
+    def written() -> bool:
+        nonlocal record
         for path in (lab.root / "runs").glob("*/cpu.server.json"):
             try:
-                return json.loads(path.read_text())
+                record = json.loads(path.read_text())
+                return True
             except (OSError, json.JSONDecodeError):  # being written or already removed
                 pass
-        time.sleep(0.2)
+        return False
+
+    if poll_until(written, timeout_s, poll_s=0.2):
+        return record
     pytest.fail(f"no cpu.server.json under {lab.root / 'runs'} within {timeout_s} s: did the server start? "
                 f"Errors shown:\n{errors_shown()}")
 
@@ -277,9 +289,7 @@ def test_quickstart_runs_live_in_chromium(lab):
 
             # The stop cell ran last: the dashboard's final refresh says stopped.
             status = dashboard.locator(".artsg-server-status")
-            deadline = time.monotonic() + RUN_TIMEOUT_S  # the widget re-renders: poll by locator
-            while "stopped" not in status.inner_text() and time.monotonic() < deadline:
-                time.sleep(0.5)
+            poll_until(lambda: "stopped" in status.inner_text(), RUN_TIMEOUT_S, poll_s=0.5)  # it re-renders: by locator
             assert "stopped" in status.inner_text(), \
                 f"the dashboard does not say stopped: {status.inner_text()!r}; errors:\n{failed_cell_output(page)}"
             wait_kernel_idle(lab, RUN_TIMEOUT_S)

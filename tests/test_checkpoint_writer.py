@@ -11,7 +11,6 @@ import errno
 import logging
 import random
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +23,7 @@ from artsg_nb.rl import lora as lora_module
 from artsg_nb.rl.lora import latest_checkpoint, load_version
 from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
+from waiting import poll_until
 
 
 def _groups():
@@ -152,10 +152,8 @@ def test_the_next_update_waits_until_the_writer_has_copied_the_optimizer(make_tr
     a.optimizer.param_groups[0]["lr"] = 0.5  # e.g. an override restored after the step (art.backend)
     update = threading.Thread(target=a.train_step, args=(_groups(),))
     update.start()
-    for _ in range(50):  # time for an update that nothing holds to reach its optimizer step
-        if stepped_before_release or not update.is_alive():
-            break
-        time.sleep(0.1)
+    # time for an update that nothing holds to reach its optimizer step
+    poll_until(lambda: stepped_before_release or not update.is_alive(), timeout_s=5, poll_s=0.1)
     release.set()
     update.join(60)
     assert stepped_before_release == [False], "the update stepped the optimizer before the copy was made"

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 from artsg_nb.serving.fleet import Fleet, FleetClient
 from artsg_nb.serving.router import Router
+from waiting import LIVES_UNTIL_KILLED, poll_until
 
 
 class Worker:
@@ -41,17 +42,14 @@ class Health:
 
 
 def test_a_stopped_router_is_seen_and_killed_alone(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", LIVES_UNTIL_KILLED], start_new_session=True)
     try:
         fleet = object.__new__(Fleet)
         fleet.servers = [Worker(), Worker()]
         fleet.router = Router(workers=[], run_dir=tmp_path, proc=proc)
         assert not fleet.stopped()
         os.kill(proc.pid, signal.SIGSTOP)
-        for _ in range(100):
-            if fleet.router.stopped():
-                break
-            asyncio.run(asyncio.sleep(0.05))
+        poll_until(fleet.router.stopped, timeout_s=5, poll_s=0.05)
         assert fleet.stopped()
         fleet.kill()
         assert proc.poll() is not None and not any(w.killed for w in fleet.servers)

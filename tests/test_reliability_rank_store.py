@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import pickle
 import socket
-import time
 from datetime import timedelta
 
 import psutil
@@ -26,6 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 from artsg_nb.rl.distributed import RankedTrainer
 from artsg_nb.rl.trainer import TrainerConfig
 from test_distributed import _groups
+from waiting import wait_until
 
 
 def listening_ips(port: int) -> set[str]:
@@ -62,12 +62,14 @@ def test_rank_store_is_loopback_only_and_refuses_forged_commands(ranked, monkeyp
             socket.create_connection((ip, port), timeout=2).close()
 
     intruder = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=5))
-    intruder.set("artsg/cmd/1", json.dumps({"op": "stop"}).encode())  # unsigned
-    time.sleep(1.0)
-    intruder.set("artsg/cmd/1", b"0" * 64 + b" " + json.dumps({"op": "stop"}).encode())  # forged signature
-    time.sleep(1.0)
-    intruder.set("artsg/cmd/1", pickle.dumps({"op": "stop"}))
-    time.sleep(1.0)
+    rank1_log = run_dir / "trainer-rank1.log"
+    refused = lambda: rank1_log.read_text().count("not signed by rank 0") if rank1_log.exists() else 0  # noqa: E731
+    forged = [json.dumps({"op": "stop"}).encode(),  # unsigned
+              b"0" * 64 + b" " + json.dumps({"op": "stop"}).encode(),  # forged signature
+              pickle.dumps({"op": "stop"})]
+    for n, value in enumerate(forged, 1):  # each one read by rank 1 (and refused) before the next
+        intruder.set("artsg/cmd/1", value)
+        wait_until(lambda: refused() >= n, timeout_s=30, what=f"rank 1 refusing forged command {n}")
     worker = trainer.workers.procs[0]
     assert worker.poll() is None, "a forged command stopped rank 1"
 
@@ -100,14 +102,14 @@ def test_the_stores_descriptor_is_closed_once(tmp_path, monkeypatch):
     assert store.port and listening_ips(store.port) == {"127.0.0.1"}
     del store, made
     gc.collect()
-    deadline = time.monotonic() + 10
-    while True:  # the store's event loop closes its socket on its own thread, soon after
+    def closed() -> bool:  # the store's event loop closes its socket on its own thread, soon after
         try:
             os.fstat(number)
         except OSError:
-            break
-        assert time.monotonic() < deadline, "the store kept its listening socket open after it was dropped"
-        time.sleep(0.01)
+            return True
+        return False
+
+    wait_until(closed, timeout_s=10, what="the store kept its listening socket open after it was dropped")
     probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
     if probe != number:  # the number now names this file, whatever held it
         os.dup2(probe, number)

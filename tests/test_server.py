@@ -22,6 +22,7 @@ from artsg_nb.serving import procs, server
 from artsg_nb.serving.gpus import GpuInfo, plan_gpus
 from artsg_nb.serving.server import (PortInUseError, ServerConfig, ServerNotReady, ServerStartError,
                              build_command, build_env, start_server)
+from waiting import LIVES_UNTIL_KILLED, poll_until
 
 FAKE_ENGINE = r'''
 import argparse, http.server, signal, subprocess, sys, time
@@ -37,7 +38,7 @@ print("fake engine starting", flush=True)
 if a.ignore_term:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if a.child_pid_file:  # a worker, like SGLang's scheduler processes
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # lives until killed
     open(a.child_pid_file, "w").write(str(child.pid))
 if a.exit_code is not None:
     for i in range(30):
@@ -60,12 +61,12 @@ httpd.serve_forever()
 '''
 
 FAKE_KERNEL = r'''
-import json, sys, time
+import json, signal, sys
 from artsg_nb.serving.server import ServerConfig, start_server
 s = start_server(ServerConfig(engine="cpu", model_path="fake", run_dir=sys.argv[1],
                               _command_override=tuple(json.loads(sys.argv[2]))))
 print(s.port, s.pid, flush=True)
-time.sleep(600)
+signal.pause()  # lives until killed
 '''
 
 
@@ -229,10 +230,7 @@ def test_stop_kills_the_whole_process_group(fake_engine, tmp_path):
     child_started = procs.create_time(child)
     assert procs.is_running(child, child_started) and os.getpgid(child) == srv.pid
     srv.stop()
-    deadline = time.monotonic() + 5
-    while not gone(child, child_started) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gone(child, child_started)
+    assert poll_until(lambda: gone(child, child_started), timeout_s=5)
 
 
 def test_orphans_of_a_dead_kernel_are_reaped(fake_engine, tmp_path, state_dir):
@@ -258,7 +256,7 @@ def test_orphans_of_a_dead_kernel_are_reaped(fake_engine, tmp_path, state_dir):
 
 def test_reaper_leaves_a_recycled_pid_alone(tmp_path, state_dir):
     """A record whose pid now belongs to another process is deleted, the process is not touched."""
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    bystander = subprocess.Popen([sys.executable, "-c", LIVES_UNTIL_KILLED])
     try:
         rec = procs.ProcessRecord(pid=bystander.pid, create_time=procs.create_time(bystander.pid) - 100,
                                   port=1, host="127.0.0.1", engine="cpu", run_dir=str(tmp_path),
@@ -527,7 +525,7 @@ from artsg_nb.serving.server import ServerConfig, start_server
 s = start_server(ServerConfig("sglang", sys.argv[1], sys.argv[2], gpu_plan=plan_gpus(prefer="colocated"),
                               mem_fraction=0.3, extra_args=tuple(sys.argv[3:])))
 print(s.port, s.pid, flush=True)
-import time; time.sleep(900)
+import signal; signal.pause()  # lives until killed
 '''
 
 
@@ -551,12 +549,7 @@ class GpuHolding:
 
     def released(self, timeout_s: float = 30) -> bool:
         """Whether, within timeout_s, NVML names none of the processes any more."""
-        deadline = time.monotonic() + timeout_s
-        while self.pids & set(_gpu0_processes_gib()):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.5)
-        return True
+        return poll_until(lambda: not self.pids & set(_gpu0_processes_gib()), timeout_s, poll_s=0.5)
 
 
 def _sglang_memory_lines(log: Path) -> list[str]:

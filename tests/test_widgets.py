@@ -11,6 +11,7 @@ import pytest
 from artsg_nb.view import widgets
 from artsg_nb.serving.gpus import GpuInfo, GpuPlan
 from artsg_nb.view.widgets import Dashboard, sparkline
+from waiting import wait_until
 
 GIB = 1024  # MiB
 
@@ -27,8 +28,10 @@ class FakeTracker:
     def __init__(self):
         self.rates = [0.5, 0.75, 0.875]
         self.fail = False
+        self.reads = 0  # refreshes that read the hit rate
 
     def cumulative(self):
+        self.reads += 1
         if self.fail:
             raise RuntimeError("metrics endpoint unreachable")
         return sum(self.rates) / len(self.rates)
@@ -55,15 +58,6 @@ def gpu(index, used_gib):
 
 def two_gpus():
     return [gpu(0, 100), gpu(1, 35)]
-
-
-def wait_until(condition, timeout_s=30.0):  # returns as soon as it holds; generous for loaded CI
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 @pytest.fixture
@@ -161,7 +155,8 @@ def test_tracker_error_is_shown_and_logged_but_thread_survives(dashboards, caplo
     with caplog.at_level(logging.WARNING, logger="artsg_nb.view.widgets"):
         dashboard.start()
         assert wait_until(lambda: "metrics endpoint unreachable" in dashboard.widget.value)
-        time.sleep(0.1)  # several more failing refreshes
+        failing = tracker.reads
+        wait_until(lambda: tracker.reads >= failing + 3)  # several more failing refreshes
     assert dashboard.running
     assert 'class="artsg-gpu-row"' in dashboard.widget.value  # the rest still renders
     assert len([r for r in caplog.records if "hit rate" in r.getMessage()]) == 1  # logged once
@@ -189,13 +184,14 @@ def test_thread_ends_when_dashboard_is_dropped():
 
 
 def test_server_health_error_shows_unknown_and_keeps_refreshing(dashboards):
-    server = FakeServer()
-    server.alive = lambda: (_ for _ in ()).throw(ConnectionError("refused"))
+    server, asked = FakeServer(), []
+    server.alive = lambda: asked.append(1) or (_ for _ in ()).throw(ConnectionError("refused"))
     dashboard = dashboards(cpu_plan(), server, refresh_s=0.02)
     dashboard.start()
     assert wait_until(lambda: "unknown" in dashboard.widget.value)
     assert "! server: ConnectionError: refused" in dashboard.render_text()
-    time.sleep(0.05)
+    before = len(asked)
+    wait_until(lambda: len(asked) >= before + 2)  # refreshed again, twice
     assert dashboard.running  # an unreadable server is not a dead one
 
 

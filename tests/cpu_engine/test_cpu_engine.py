@@ -27,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from sglang_fixtures import fixture
+from waiting import poll_until
 
 ALLOWED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MAX_RANK = 8
@@ -109,16 +110,16 @@ class EngineProcess:
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+                return False
+
+        if poll_until(healthy, timeout_s, poll_s=0.2):
+            return
         raise TimeoutError(f"no /health after {timeout_s} s:\n{self.log_path.read_text()[-3000:]}")
 
     def stop(self) -> None:

@@ -15,6 +15,7 @@ import pytest
 from artsg_nb import engines
 from artsg_nb.engines import EngineError, SamplingParams
 from artsg_nb.engines.errors import ServerUnavailableError
+from waiting import wait_until_async
 
 
 def answer(prompt: list[int], params: dict) -> dict:
@@ -150,12 +151,13 @@ def test_a_batch_whose_callers_are_all_cancelled_is_cancelled():
     async def run():
         calls = [asyncio.ensure_future(client.generate([i], SamplingParams(max_new_tokens=2, n=2), adapter="a"))
                  for i in (1, 2, 3)]
-        await asyncio.sleep(0.2)  # the warm-up batch is in flight
+        await wait_until_async(lambda: log["started"])  # the warm-up batch is in flight
         for c in calls:
             c.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
-        await asyncio.sleep(0.05)
-        return len(client._batcher._tasks)  # before the loop's end would cancel what is left
+        # the batch's task ends on its own, before the loop's end would cancel what is left
+        await wait_until_async(lambda: not client._batcher._tasks, timeout_s=5)
+        return len(client._batcher._tasks)
     pending = asyncio.run(asyncio.wait_for(run(), 10))
     assert log["started"] == [[[1], [2], [3]]] and log["finished"] == []  # dropped, not run to its end
     assert pending == 0 and client.in_flight == 0

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.faults
 TESTS = str(Path(__file__).resolve().parents[1])
 
 KERNEL = r'''
-import asyncio, json, sys, time
+import asyncio, json, signal, sys
 from artsg_nb.run.session import GRPORun, RunConfig
 model_dir, run_dir, mode, engine = sys.argv[1:5]
 cfg = RunConfig(task="scripted_tasks:SCRIPTED", engine=engine, model_path=model_dir, run_dir=run_dir, group_size=2,
@@ -44,7 +44,7 @@ print(json.dumps({"mode": mode, "adopted": [s.adopted for s in fleet.servers], "
                   "router_pid": fleet.router.record.pid, "held": held,
                   "steps": [int(s) for s in run.history.df["step"]]}), flush=True)
 if mode == "die":
-    time.sleep(600)
+    signal.pause()  # lives until killed
 run.stop()
 '''
 

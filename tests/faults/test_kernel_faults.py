@@ -27,11 +27,11 @@ from test_server import fake_cfg, fake_engine, start_kernel  # noqa: F401  (a fi
 pytestmark = pytest.mark.faults
 
 OLD_KERNEL = r'''
-import sys, time
+import signal, sys
 from artsg_nb.serving.server import ServerConfig, start_server
 server = start_server(ServerConfig(engine="cpu", model_path=sys.argv[1], run_dir=sys.argv[2]))
 print(server.port, server.pid, flush=True)
-time.sleep(600)
+signal.pause()  # lives until killed
 '''
 
 

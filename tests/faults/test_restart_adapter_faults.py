@@ -27,7 +27,7 @@ pytestmark = pytest.mark.faults
 TESTS = str(Path(__file__).resolve().parents[1])
 
 KERNEL = r'''
-import asyncio, json, sys, time
+import asyncio, json, signal, sys
 from artsg_nb.run.history import History
 from artsg_nb.run.session import GRPORun, RunConfig
 model_dir, run_dir, mode, resume = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
@@ -38,7 +38,7 @@ if mode == "after_load":  # die in step 2 once policy-step-2 is served, before i
     def append_then_die(self, row):
         if row["step"] == 2:
             print("killme", flush=True)
-            time.sleep(600)
+            signal.pause()  # lives until killed
         return append(self, row)
     History.append = append_then_die
 run = GRPORun(cfg).start()
@@ -49,7 +49,7 @@ async def cells(n):
 if mode in ("after_step", "after_load"):
     asyncio.run(cells(1 if mode == "after_step" else 2))
     print("killme", flush=True)
-    time.sleep(600)
+    signal.pause()  # lives until killed
 held = asyncio.run(cells(2))
 print(json.dumps({"adopted": run.server.adopted, "pid": run.server.pid, "held": sorted(held),
                   "steps": [int(s) for s in run.history.df["step"]]}), flush=True)

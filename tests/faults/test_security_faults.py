@@ -95,11 +95,11 @@ def test_default_server_requires_a_key_that_no_argv_shows(tmp_path, model_dir, p
 
 
 ADOPTING_KERNEL = r'''
-import sys, time
+import signal, sys
 from artsg_nb.serving.server import ServerConfig, start_server
 server = start_server(ServerConfig(engine=sys.argv[3], model_path=sys.argv[1], run_dir=sys.argv[2]))
 print(server.port, server.pid, flush=True)
-time.sleep(600)
+signal.pause()  # lives until killed
 '''
 
 
@@ -134,7 +134,7 @@ def test_kernel_restart_adopts_the_live_server(tmp_path, model_dir, private_serv
 
 
 WRITER_KERNEL = r'''
-import sys, time
+import signal, sys
 from artsg_nb.serving.procs import RunDirBusyError
 from artsg_nb.run.session import GRPORun, RunConfig
 print("ready", flush=True)
@@ -145,7 +145,7 @@ except RunDirBusyError as e:
     print("busy", str(e).replace("\n", " "), flush=True)
     sys.exit(0)
 print("started", run.server.pid, flush=True)
-time.sleep(600)
+signal.pause()  # lives until killed
 '''
 
 

@@ -16,6 +16,7 @@ import pytest
 from artsg_nb import servers as cli
 from artsg_nb.serving import leftovers, procs
 from artsg_nb.serving.server import ServerConfig, start_server
+from waiting import wait_until
 
 FAKE_ENGINE = r'''
 import argparse, http.server
@@ -69,13 +70,6 @@ def kernel(run_dir: Path, engine: Path, grace_s: float, how: str = "exit") -> tu
     assert out.stdout, out.stderr[-3000:]
     pid, adopted = out.stdout.split()
     return int(pid), adopted == "True"
-
-
-def wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_a_clean_exit_keeps_the_server_for_the_next_kernel_which_adopts_it(tmp_path, engine):

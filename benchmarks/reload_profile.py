@@ -5,7 +5,7 @@
 For each adapters directory (a disk-backed one and a RAM-backed one, e.g. /dev/shm, to measure
 issue 17's "RAM-backed directory"), it computes no loss: it takes an AdamW step of a real
 Trainer on random gradients (so every version differs and the optimizer state has its real
-size), then times what GRPORun._save_and_reload does for one
+size), then times what AdapterVersions.publish (run/versions.py) does for one
 version — the adapter file (PEFT save), the sha256 of the adapter, the fsyncs and rename
 (lora.save_adapter_atomic), the copy of the optimizer state handed to the background writer
 (snapshot_s), the server's load, and the first request under the new adapter — `--repeats`
@@ -70,7 +70,7 @@ async def profile_dir(trainer: Trainer, server, adapters: Path, repeats: int, pr
             t0 = time.perf_counter()
             version = save_adapter_atomic(timed.save, adapters, step)
             renamed = time.perf_counter()
-            trainer.save_checkpoint(version.path, wait=False)  # as GRPORun._save_served
+            trainer.save_checkpoint(version.path, wait=False)  # as AdapterVersions.write
             save_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             await publisher.publish(version)

@@ -26,14 +26,16 @@ from typing import Annotated
 import tyro
 from tyro.constructors import ConstructorRegistry, PrimitiveConstructorSpec, PrimitiveTypeInfo
 
-from .tasks.dataset import DatasetColumnError
+from .tasks.dataset import DatasetColumnError, RewardFunctionCheckError
+from .tasks.task_code import TaskCodeError
+from .models.pretrained import ModelNameError
 from .rl.distributed import DistributedError
 from .engines import AdapterRankError, MemorySaverError
 from .serving.gpus import CudaAlreadyInitializedError, NoGpuError
 from .rl.lora import AdapterSaveError
 from .view.plots import save_training_plot
-from .rollout.trajectory import NoRewardError
-from .run.config import ConfigMismatchError, glue_flag_values, split_flags
+from .rollout.trajectory import NoRewardError, RolloutsFailedError
+from .run.config import ConfigError, ConfigMismatchError, glue_flag_values, split_flags
 from .serving.server import ServerError
 from .serving.server_env import ServerEnvNotFoundError
 from .run.session import GRPORun, RunConfig, ServerLostError
@@ -107,7 +109,8 @@ def user_errors() -> tuple[type[Exception], ...]:
     """Errors whose message already says what happened and what to try: no traceback for them."""
     return (UnknownTaskError, ServerEnvNotFoundError, NoGpuError, CudaAlreadyInitializedError, ServerError,
             ServerLostError, AdapterSaveError, AdapterRankError, CheckpointError, MemorySaverError,
-            DatasetColumnError, NoRewardError, ConfigMismatchError, DistributedError)
+            DatasetColumnError, NoRewardError, ConfigMismatchError, DistributedError, ConfigError, ModelNameError,
+            RewardFunctionCheckError, RolloutsFailedError, TaskCodeError)
 
 
 def main(argv=None) -> int:

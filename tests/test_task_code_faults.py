@@ -71,6 +71,9 @@ def test_an_env_step_that_never_returns_fails_its_episode_naming_it(tiny_tokeniz
     with pytest.raises(RolloutsFailedError, match=r"all 2 rollouts of the step failed in the task's own code: "
                                                   r"TaskCodeTimeout: env.step of task 'hangs'"):
         require_rewards([group])
+    # the hung call still holds its thread (stuck is set only at teardown): later calls use another
+    [fine] = play(Task("fine", "returns", 1, 4, factory=lambda seed: Env()), tiny_tokenizer, timeout_s=5)
+    assert all(t.valid for t in fine.trajectories)
 
 
 @pytest.mark.timeout(60)

@@ -55,7 +55,7 @@ from typing import Any, Awaitable, Callable, Coroutine, Sequence
 from tqdm.auto import tqdm
 
 from .chat_tokens import TokenizerError, env_suffix_ids, render_ids
-from ..tasks.task_code import DEFAULT_TIMEOUT_S, EnvError, call_task_code
+from ..tasks.task_code import DEFAULT_TIMEOUT_S, EnvError, await_task_code, call_task_code
 from .trajectory import RolloutError, Trajectory, TrajectoryGroup, rollout_stats
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,17 @@ class _Ctx:
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     """Limit of each call of the task's own code (tasks/task_code.py)."""
 
+    async def open_envs(self, task, seed: int, size: int) -> tuple[list, list]:
+        """The group's envs and their opening messages: make_env and reset of all `size` members in
+        one call of the task's code (one hand-off to its thread, not 2G), an async reset awaited
+        after it; each under the time limit, a failure an EnvError naming make_env or env.reset."""
+        envs, openings = await self.env_call("make_env and env.reset", _open_envs, task, seed, size, self.task_name)
+        for i, opening in enumerate(openings):
+            if inspect.isawaitable(opening):
+                openings[i] = await await_task_code(opening, what=f"env.reset of task {self.task_name!r}",
+                                                    timeout_s=self.timeout_s, error=EnvError)
+        return envs, openings
+
     async def env_call(self, role: str, method, *args):
         """`method` ("env.step", "env.reset", "make_env" in `role`) under the time limit; its
         failure is an EnvError naming it and the task."""
@@ -93,6 +104,18 @@ class _Ctx:
     def seed(self, group_seed: int, turn: int, index: int) -> int | None:
         """Sampling seed of group member `index` at model turn `turn`; None when unseeded."""
         return None if self.seed_base is None else request_seed(self.seed_base, group_seed, turn) + index
+
+
+def _open_envs(task, seed: int, size: int, task_name: str) -> tuple[list, list]:
+    """`size` envs of `seed` and what their reset returned (an awaitable for an async reset)."""
+    try:
+        envs = [task.make_env(seed) for _ in range(size)]
+    except Exception as e:
+        raise EnvError(f"make_env of task {task_name!r} raised {type(e).__name__}: {e}") from e
+    try:
+        return envs, [env.reset() for env in envs]
+    except Exception as e:
+        raise EnvError(f"env.reset of task {task_name!r} raised {type(e).__name__}: {e}") from e
 
 
 def request_seed(base: int, group_seed: int, turn: int) -> int:
@@ -314,8 +337,7 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
                  release: _Release | None, done: Callable[[], None]) -> TrajectoryGroup:
     envs, openings = [], []
     try:
-        envs = [await ctx.env_call("make_env", task.make_env, seed) for _ in range(size)]
-        openings = [await ctx.env_call("env.reset", env.reset) for env in envs]
+        envs, openings = await ctx.open_envs(task, seed, size)
         prompts = _render_prompts(ctx, openings)
     except Exception as exc:
         if release is not None:

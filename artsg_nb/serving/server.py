@@ -282,13 +282,15 @@ class Server:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         bar = tqdm(total=round(cfg.timeout_s), desc=f"{cfg.engine} starting on {self.url}",
                    unit="s", leave=True, bar_format="{desc}: {n:.0f}/{total} s")
+        listener = None
         with bar, httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), headers=headers) as http:
             while True:
                 code = self.proc.poll()
                 if code is not None:
                     _end_bar(bar, ok=False)
                     raise self._exit_error(code, time.monotonic() - t0)
-                listener = procs.listener_of(self.proc.pid, cfg.host, self.port)
+                if listener != "ours":  # once it listens, the port is its own while it lives (polled above)
+                    listener = procs.listener_of(self.proc.pid, cfg.host, self.port)
                 if listener == "foreign":
                     _end_bar(bar, ok=False)
                     raise self._port_taken_error(time.monotonic() - t0)

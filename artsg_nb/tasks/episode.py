@@ -2,7 +2,9 @@
 `Env.step(reply)` the environment's answer as a `StepResult` (and, at the end, the reward).
 
 What it does: names the types a task author implements. Either method may be `async def` (a
-tool call can hit an API); rollout.py awaits what they return. What it does not do: define tasks
+tool call can hit an API); rollout.py awaits what they return. Plain methods run on a worker thread,
+one call at a time, under RunConfig.reward_timeout_s (tasks/task_code.py): one that needs the
+event loop should be `async def`. What it does not do: define tasks
 (registry.py, dataset.py) or play them (rollout/groups.py).
 """
 from __future__ import annotations

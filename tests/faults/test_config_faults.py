@@ -100,3 +100,28 @@ def test_unknown_task_lists_the_tasks(tmp_path):
     assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
     assert cli.stderr.strip().splitlines()[-1].startswith(f"error: UnknownTaskError: {expected}")
     assert not (tmp_path / "cli").exists()
+
+
+def test_eval_every_without_an_eval_split_fails_before_anything_starts(tmp_path, private_server_records):
+    """Issue 50: `--task my_tasks:task --eval-every 2` on a dataset task with no eval split trained
+    two steps, then died with a 20-frame traceback. Now: one line, exit status 1, nothing started."""
+    (tmp_path / "my_tasks.py").write_text(
+        "from artsg_nb import Task\n"
+        "def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"
+        "task = Task.from_dataset([{'prompt': f'q{i}'} for i in range(6)], reward_funcs=zero)\n")
+    cli = subprocess.run([sys.executable, "-m", "artsg_nb.train", "--task", "my_tasks:task", "--eval-every", "2",
+                          "--engine", "cpu", "--run-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
+    assert cli.stderr.strip().splitlines()[-1].startswith(
+        "error: ConfigError: eval_every=2 evaluates task 'dataset' on held-out prompts, but: split 'eval' has no rows")
+    assert not (tmp_path / "run").exists()
+    assert_nothing_launched(tmp_path / "run", private_server_records)
+
+
+def test_engine_typo_fails_with_the_closest_name(tmp_path):
+    cli = subprocess.run([sys.executable, "-m", "artsg_nb.train", "--engine", "sglnag", "--run-dir", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr
+    assert "error: ConfigError: unknown engine 'sglnag'; did you mean 'sglang'?" in cli.stderr

@@ -125,3 +125,25 @@ def test_a_misspelt_prompt_warm_up_is_refused_when_the_config_is_built():
 
     with pytest.raises(ConfigError, match="did you mean 'always'"):
         RunConfig(engine="cpu", prompt_warm_up="alway")
+
+
+def test_a_step_that_needs_more_kv_cache_than_the_server_holds_is_only_an_upper_bound():
+    """7B at 1024 new tokens on one H100 (2026-12-07): 128 sequences of ~1,060 tokens against a KV
+    cache of ~40k tokens ran in waves, and the hit rate read 0.86 of 0.97: prompts were evicted."""
+    group = TrajectoryGroup(0, [member(PROMPT, "warm-up first", 9) for _ in range(4)])  # 4 x 11 tokens
+    assert reachable_hit_rate([group], kv_tokens=100).exact
+    short = reachable_hit_rate([group], kv_tokens=40)
+    assert not short.exact and short.kv_short == (44, 40) and short.path.endswith("KV short")
+    assert "evicts prompts" in short.note
+    assert check_hit_rates([row(1, 0, 0), row(2, 0.86, 0.97, path=short.path)]).passed
+
+
+def test_the_tracker_reads_the_kv_cache_size_from_sglang_metrics():
+    from pathlib import Path
+
+    from artsg_nb.serving.metrics import HitRateTracker
+
+    text = (Path(__file__).parent / "fixtures" / "sglang-0.5.14" / "metrics.txt").read_text()
+    tracker = HitRateTracker("sglang")
+    tracker.add_sample(text)
+    assert tracker.kv_tokens == 6002616

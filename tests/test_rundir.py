@@ -180,3 +180,14 @@ def test_make_demo_archives_the_earlier_demo_with_its_executed_notebook(tmp_path
     assert written == [None]
     [archived] = (run_dir / "archive").iterdir()
     assert (archived / "01_quickstart.executed.ipynb").read_text() == "the earlier demo"
+
+
+def test_half_written_adapter_folders_alone_are_no_earlier_run(tmp_path):
+    """A crashed save leaves `.tmp-*` folders; the start removes the stale ones, it does not
+    archive them as a run (tests/faults/test_loop_faults.py's fixture is that case)."""
+    from artsg_nb.run.rundir import holds_earlier_run
+
+    (tmp_path / "adapters" / ".tmp-policy-step-3-0dead000").mkdir(parents=True)
+    assert not holds_earlier_run(tmp_path)
+    (tmp_path / "adapters" / "policy-step-2").mkdir()
+    assert holds_earlier_run(tmp_path)

@@ -6,7 +6,8 @@ and returns one `Check` per rule, each with the value it saw, its limit and whet
 * hit rate: on every step after the first, the step's hit rate within HIT_TOLERANCE of what its
   submission path can reach (`hit_rate_reachable`), above it by at most the cross-group share the
   row states (`hit_rate_shared`); where the path gives only an upper bound (`hit_rate_path`
-  "unordered" / "engine n": every request at once), at most that bound plus the same slack;
+  "unordered" / "engine n": every request at once; "KV short": the step's sequences need more KV
+  cache than the server holds, so prompts are evicted), at most that bound plus the same slack;
 * IS ratio: the raw importance ratio's mean within IS_TOLERANCE of 1 on every synchronous step;
 * probe MAD: every served-adapter probe under its tolerance (PROBE_TOLERANCE on a GPU);
 * restarts: none;
@@ -34,7 +35,7 @@ PROBE_TOLERANCE = 0.25
 """The served-adapter probe's tolerance on a GPU (run/session.py: bf16 server vs trainer)."""
 STEP_SPREAD = 3.0
 REWARD_GAIN = 0.1
-UPPER_BOUND_PATHS = ("unordered", "engine n")
+UPPER_BOUND_PATHS = ("unordered", "engine n", "KV short")
 """Submission paths whose reachable hit rate is only an upper bound (metrics.ReachableHitRate)."""
 STEP_PHASES = ("rollout_s", "release_s", "train_s", "resume_s", "reload_s")
 

@@ -44,11 +44,14 @@ def stays_in_place(path: Path) -> bool:
 
 
 def holds_earlier_run(run_dir: str | Path) -> bool:
-    """Whether `run_dir` holds steps of an earlier run (a non-empty history, adapters or rollouts)."""
+    """Whether `run_dir` holds steps of an earlier run (a non-empty history, a saved adapter version
+    or rollouts). Half-written `.tmp-*` adapter folders alone are no run: a crashed save leaves them,
+    and the start removes the stale ones (lora.remove_stale_tmp) instead of archiving them."""
     run_dir = Path(run_dir)
     history = run_dir / "history.jsonl"
-    return ((history.exists() and history.stat().st_size > 0)
-            or (run_dir / "adapters").is_dir() or (run_dir / "rollouts").is_dir())
+    adapters = run_dir / "adapters"
+    saved = adapters.is_dir() and any(not p.name.startswith(".tmp-") for p in adapters.iterdir())
+    return (history.exists() and history.stat().st_size > 0) or saved or (run_dir / "rollouts").is_dir()
 
 
 def archive_earlier_run(run_dir: str | Path, stamp: str | None = None) -> Path | None:

@@ -138,7 +138,8 @@ class GRPOStep:
                            reload_s=reload_s, probe=published.probe,
                            memory=MemoryFields(update.release_s, update.resume_s), restarts=self.supervisor.restarts,
                            pipeline=pipeline, eval=evaluation,
-                           fleet=FleetFields(**stats) if stats else None).as_dict()
+                           fleet=FleetFields(**stats) if stats else None,
+                           kv_tokens=self.scrape.tracker.kv_tokens).as_dict()
             self.write_row(row)
             self.trackers.log(row)
             with self.clock.phase("prune"):

@@ -111,6 +111,16 @@ def cache_counters(text: str, engine: str) -> CacheCounters:
                          cached_tokens=_first(values, spec.cached_counters))
 
 
+KV_POOL_GAUGE = "sglang:max_total_num_tokens"
+"""SGLang's gauge of the tokens its KV cache holds (the CPU engine and vLLM do not export it)."""
+
+
+def kv_pool_tokens(text: str) -> int | None:
+    """Tokens the server's KV cache holds, from /metrics text; None where it is not exported."""
+    values = parse_metrics(text, (KV_POOL_GAUGE,))
+    return int(values[KV_POOL_GAUGE]) if values.get(KV_POOL_GAUGE) else None
+
+
 def progress_tokens(text: str, engine: str) -> float | None:
     """Tokens the engine has processed so far, counted as it works (EngineSpec.progress_counters),
     from /metrics text; None when the engine exposes no such counter."""
@@ -159,8 +169,12 @@ class HitRateTracker:
     def __post_init__(self) -> None:
         self.samples: deque[tuple[float, CacheCounters]] = deque(maxlen=self.max_samples)
 
+    kv_tokens: int | None = None
+    """The server's KV cache size in tokens, from the last scrape that had it (kv_pool_tokens)."""
+
     def add_sample(self, text: str, t: float | None = None) -> float | None:
         """Record a /metrics scrape taken at `t` (default now); the window rate it closes."""
+        self.kv_tokens = kv_pool_tokens(text) or self.kv_tokens
         return self.add_counters(cache_counters(text, self.engine), t)
 
     def add_counters(self, counters: CacheCounters, t: float | None = None) -> float | None:
@@ -245,9 +259,19 @@ class ReachableHitRate:
     exact: bool
     """False where `rate` is only an upper bound (requests sent all at once)."""
 
+    kv_short: tuple[int, int] | None = None
+    """(tokens the step's sequences hold at once, tokens the server's KV cache holds) where the
+    first is larger: the server runs them in waves and evicts prompts before every copy reads
+    them, so `rate` is only an upper bound (`exact` False)."""
+
     @property
     def note(self) -> str:
         """One line for the step line and the panel: why the rate is what it is."""
+        if self.kv_short:
+            need, have = self.kv_short
+            return (f"the step's sequences need {need:,} tokens of KV cache at once, the server holds {have:,}: "
+                    "it runs them in waves and evicts prompts before every copy reads them. Try: fewer or "
+                    "shorter samples a step, or more server memory (release_memory=True)")
         if self.path.startswith("prefilled together"):
             return ("copies prefilled together (faster than caching the prompt first at this model size "
                     "and prompt length): nothing to reuse; RunConfig(prompt_warm_up='always') caches it first")
@@ -262,9 +286,11 @@ _FIRST_TURN_PATHS = {"warm-up first": "warm-up first", "prefilled together": "pr
                      "after first copy": "in order"}
 
 
-def reachable_hit_rate(groups: Sequence) -> ReachableHitRate:
+def reachable_hit_rate(groups: Sequence, kv_tokens: int | None = None) -> ReachableHitRate:
     """The hit rate the step's submission path can reach, from the `reusable_tokens` each request
-    recorded (rollout.groups), the path's name, and the cross-group share beside it."""
+    recorded (rollout.groups), the path's name, and the cross-group share beside it. With the
+    server's KV cache size `kv_tokens`, a step whose sequences need more than it at once is marked
+    `kv_short` (path ", KV short"): the path's rate is then only an upper bound."""
     prompt = reusable = shared = 0
     paths: dict[str, int] = {}
     exact, later_turns = True, False
@@ -291,8 +317,11 @@ def reachable_hit_rate(groups: Sequence) -> ReachableHitRate:
         openings += list(dict.fromkeys(group_openings))
     path = ", ".join(sorted(paths, key=paths.get, reverse=True)) or "no shared prompts"
     path += " + own history" if later_turns else ""
-    return ReachableHitRate(rate=reusable / prompt if prompt else None, path=path,
-                            shared=shared / prompt if prompt else 0.0, exact=exact)
+    need = sum(len(t.token_ids) for g in groups for t in g.trajectories)
+    kv_short = (need, kv_tokens) if kv_tokens and need > kv_tokens else None
+    return ReachableHitRate(rate=reusable / prompt if prompt else None, path=path + (", KV short" if kv_short else ""),
+                            shared=shared / prompt if prompt else 0.0, exact=exact and not kv_short,
+                            kv_short=kv_short)
 
 
 def _longest_common_prefix(ids: tuple[int, ...], others: list[tuple[int, ...]]) -> int:

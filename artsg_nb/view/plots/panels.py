@@ -157,7 +157,11 @@ def _explain_path(df: pd.DataFrame, ax: Axes) -> None:
     if "hit_rate_path" not in df or df["hit_rate_path"].dropna().empty:
         return
     path = str(df["hit_rate_path"].dropna().iloc[-1])
-    if path.startswith("prefilled together"):
+    if "KV short" in path:
+        ax.text(0.02, 0.97, "the step needs more KV cache than the server holds:\nprompts evicted before "
+                "every copy reads them (fewer/shorter samples,\nor release_memory=True)", transform=ax.transAxes,
+                va="top", fontsize="x-small", color="dimgray")
+    elif path.startswith("prefilled together"):
         ax.text(0.02, 0.97, "copies prefilled together: nothing to reuse\n(faster at this size; "
                 "prompt_warm_up='always' caches first)", transform=ax.transAxes, va="top", fontsize="x-small",
                 color="dimgray")

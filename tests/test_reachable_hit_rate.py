@@ -3,6 +3,7 @@ from the reusable tokens rollouts record, the value checks the GPU smoke applies
 (bench.checks), and on the CPU engine that the row, the step line and the panel say the path
 the client actually took: the reachable value and the path can never disagree."""
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -105,8 +106,12 @@ def test_a_cpu_run_shows_the_path_its_client_took(tmp_path, tiny_model_dir, warm
     run = GRPORun(cfg).start()
     try:
         rows = [asyncio.run(run.step()) for _ in range(2)]
+        # a notebook (and the GPU smoke) replaces the config between steps: the next step follows it
+        run.cfg = replace(run.cfg, schedule="prefix")
+        led = asyncio.run(run.step())
     finally:
         run.stop()
+    assert led["hit_rate_path"] == "leader first"
     for r in rows:
         assert r["hit_rate_path"] == path
         if warm_up == "always":  # every copy reads the prompt the warm-up cached: measured = reachable
@@ -115,7 +120,7 @@ def test_a_cpu_run_shows_the_path_its_client_took(tmp_path, tiny_model_dir, warm
             assert r["hit_rate_reachable"] == 0
     line = History.format_row(rows[-1])
     assert f"of {rows[-1]['hit_rate_reachable']:.2f} reachable" in line and f"({path})" in line
-    ax = plot_hit_rate(run.history.df)
+    ax = plot_hit_rate(run.history.df.iloc[:2])  # the two steps under the path being checked
     assert any(path.split()[0] in t.get_text() for t in ax.texts)
 
 

@@ -111,6 +111,22 @@ class GRPORun:
     """What loads and unloads adapter versions on the server."""
 
     @property
+    def cfg(self) -> RunConfig:
+        """The run's configuration. A notebook may replace it between steps
+        (`run.cfg = dataclasses.replace(run.cfg, schedule="prefix")`): what each step reads — the
+        schedule, sampling, sizes, max_new_tokens, evaluation, retention — follows the new one;
+        what the parts were built with at start (pipeline, verify_adapter/verify_every, the
+        server, the trainer) does not."""
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: RunConfig) -> None:
+        self._cfg = cfg
+        for part in (getattr(self, "source", None), getattr(self, "steps", None)):
+            if part is not None:
+                part.cfg = cfg
+
+    @property
     def task(self):
         """The run's task (tasks.registry.Task), resolved at start(); the rollouts use it."""
         return self.source.task

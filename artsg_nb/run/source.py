@@ -54,7 +54,8 @@ class RolloutSource:
         return await collect_groups(self.supervisor.client, self.task, self.trainer.tokenizer, seeds, cfg.group_size,
                                     params, adapter=self.supervisor.adapter, concurrency=cfg.concurrency,
                                     schedule=resolve_schedule(schedule, self.task.max_turns),
-                                    max_seq_tokens=cfg.max_seq_tokens, sampling_seed_base=sampling_seed_base)
+                                    max_seq_tokens=cfg.max_seq_tokens, sampling_seed_base=sampling_seed_base,
+                                    task_timeout_s=cfg.reward_timeout_s or None)
 
     async def chat(self, messages, base: bool = False, max_new_tokens: int | None = None,
                    temperature: float = 0.0) -> str:

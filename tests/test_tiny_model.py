@@ -213,3 +213,18 @@ def test_0_5b_build_writes_bf16_weights(tmp_path):
         assert emb.get_shape() == [2048, 896] and emb.get_dtype() == "BF16"
         assert "lm_head.weight" not in f.keys()  # tied, as in Qwen's checkpoint
         assert len(f.keys()) == 1 + 24 * 12 + 1
+
+
+def test_the_recipe_follows_the_corpus_the_weights_are_trained_on_not_the_task_api(monkeypatch):
+    """An edit to the Task API (tasks/registry.py) used to change the recipe and fail a fresh
+    clone's CI; only tiny.py and the training text count now."""
+    from artsg_nb.models import tiny
+
+    before = tiny._marker("tiny", 0, 800)["recipe"]
+    monkeypatch.setattr(tiny.tasks, "pretraining_corpus",
+                        lambda n, seed, mix=None, noise=0.0: [[{"role": "user", "content": "other text"}]] * n)
+    tiny.corpus_digest.cache_clear()
+    try:
+        assert tiny._marker("tiny", 0, 800)["recipe"] != before
+    finally:
+        tiny.corpus_digest.cache_clear()

@@ -56,6 +56,7 @@ package's own tasks.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -375,9 +376,25 @@ def _pretrained_weights(config, weights: dict, tokenizer, steps: int, seed: int)
 # ---- build -----------------------------------------------------------------------------------
 def _marker(size: str, seed: int, pretrain_steps: int) -> dict:
     """What a build depends on, written to `.complete`; a directory with another marker is rebuilt.
-    `recipe` hashes this file and tasks/registry.py, so any edit to them rebuilds cached models (~25 s)."""
-    recipe = hashlib.sha256(Path(__file__).read_bytes() + Path(tasks.__file__).read_bytes()).hexdigest()[:16]
-    return {"size": size, "seed": seed, "pretrain_steps": pretrain_steps, "recipe": recipe}
+    `recipe` hashes what the weights depend on: this file and the text the tokenizer and the
+    pretraining are fed (`corpus_digest`), not the rest of tasks/registry.py, so an edit to the Task
+    API leaves every build valid, and an edit to an example task's envs or teachers rebuilds cached
+    models (~25 s)."""
+    digest = hashlib.sha256(Path(__file__).read_bytes() + corpus_digest(seed, pretrain_steps).encode())
+    return {"size": size, "seed": seed, "pretrain_steps": pretrain_steps, "recipe": digest.hexdigest()[:16]}
+
+
+@functools.lru_cache(maxsize=8)
+def corpus_digest(seed: int, pretrain_steps: int) -> str:
+    """sha256 of every conversation a build of (`seed`, `pretrain_steps`) trains its tokenizer and
+    weights on (`_tokenizer_corpus`, each PRETRAIN_PHASES phase's `tasks.pretraining_corpus`, as
+    `_phase_batches` draws them)."""
+    h = hashlib.sha256(json.dumps(_tokenizer_corpus()).encode())
+    for i, phase in enumerate(PRETRAIN_PHASES):
+        n = round(pretrain_steps * phase.share) * PRETRAIN_BATCH
+        h.update(json.dumps([phase.system_prompt, tasks.pretraining_corpus(n, seed * 100 + i, phase.mix, phase.noise)],
+                            sort_keys=True).encode())
+    return h.hexdigest()
 
 
 def is_tiny_build(out_dir) -> bool:

@@ -138,3 +138,17 @@ def test_stop_by_pid_through_the_command_line(tmp_path, engine, capsys):
     assert cli.main(["stop", str(pid)]) == 0
     assert f"stopped cpu server pid {pid}" in capsys.readouterr().out and not procs.is_running(pid, None)
     assert cli.main(["stop", str(pid)]) == 1 and "no server of this user" in capsys.readouterr().err
+
+
+def test_the_watcher_does_not_take_the_kernel_that_kept_the_server_for_its_adopter(tmp_path, engine):
+    """The keeping kernel is still alive when its watcher starts (its atexit is running): under
+    load the watcher saw it alive, took that for an adoption and left the server running for good."""
+    from dataclasses import replace
+
+    server = start_server(ServerConfig(engine="cpu", model_path="fake", run_dir=str(tmp_path / "run"),
+                                       _command_override=(sys.executable, str(engine), "--host", "{host}",
+                                                          "--port", "{port}")))
+    kept = replace(server.record, keep_until=time.time() + 0.3)  # kept by this (live) process
+    kept.save()
+    assert leftovers.expire(kept.global_path, poll_s=0.05) == "stopped"
+    assert not procs.is_running(server.pid, None)

@@ -70,7 +70,9 @@ def expire(record_path: str | Path, poll_s: float = 1.0) -> str:
         if rec is None or first is None or (rec.pid, rec.create_time) != (first.pid, first.create_time) \
                 or not rec.server_alive():
             return "gone"
-        if rec.owner_alive():
+        # Adopted: a live kernel other than the one that kept it owns it now. The keeping kernel
+        # itself is still alive for a moment after starting this watcher (its atexit is running).
+        if (rec.owner_pid, rec.owner_create_time) != (first.owner_pid, first.owner_create_time) and rec.owner_alive():
             return "adopted"
         left = (rec.keep_until or 0.0) - time.time()
         if left <= 0:

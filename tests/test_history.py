@@ -1,5 +1,6 @@
 """History: append, the jsonl mirror, resume with a truncated last line, the progress line."""
 
+import errno
 import json
 import math
 
@@ -126,3 +127,83 @@ def test_a_step_row_writes_its_groups_in_place_and_leaves_absent_ones_out(tmp_pa
     history.append(full)
     df = history.df  # per-worker lists stay lists; the other columns are floats
     assert df.loc[0, "worker_hit_rates"] == [0.5, None] and df.loc[0, "staleness"] == 1.0
+
+
+class _FullDisk:
+    """A history file whose disk fills up mid-row: the first write stores half its bytes, then
+    ENOSPC (a short write, as a real full disk gives); later writes are refused whole."""
+
+    def __init__(self, f):
+        self._f, self.failures = f, 0
+
+    def write(self, data):
+        self.failures += 1
+        if self.failures == 1:
+            self._f.write(data[: len(data) // 2])
+            self._f.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def test_a_row_written_to_a_full_disk_leaves_no_torn_line_and_its_retry_resumes(tmp_path, monkeypatch):
+    """ENOSPC in the middle of a row: the file is cut back to the rows before it, the retry writes
+    the row whole, and a new kernel's resume reads every row (before: the torn half stayed, the
+    retry appended after it, and the load refused the file for a corrupt middle line)."""
+    import builtins
+    import artsg_nb.run.history as history_module
+
+    history = History(tmp_path)
+    history.append(row(1))
+    size = (tmp_path / HISTORY_FILE).stat().st_size
+    monkeypatch.setattr(history_module, "open", lambda *a, **kw: _FullDisk(builtins.open(*a, **kw)), raising=False)
+    with pytest.raises(OSError, match="No space"):
+        history.append(row(2))
+    assert (tmp_path / HISTORY_FILE).stat().st_size == size, "the torn half row was left in the file"
+    monkeypatch.undo()
+    history.append(row(2))  # the step's retry (GRPOStep.write_unwritten_row)
+    history.append(row(3))
+    assert History.load(tmp_path).df["step"].tolist() == [1, 2, 3]
+
+
+def test_a_torn_last_line_is_dropped_but_a_torn_middle_line_is_refused_by_its_number(tmp_path):
+    history = History(tmp_path)
+    history.append(row(1))
+    line = (json.dumps(row(2)) + "\n").encode()
+    with open(tmp_path / HISTORY_FILE, "ab") as f:
+        f.write(line[:30])  # the kernel died mid-write
+    assert History.load(tmp_path).df["step"].tolist() == [1]
+    assert (tmp_path / HISTORY_FILE).read_bytes().endswith(b"}\n"), "the torn line is trimmed from the file"
+    with open(tmp_path / HISTORY_FILE, "ab") as f:
+        f.write(line[:20] + b"\n" + (json.dumps(row(3)) + "\n").encode())  # damaged, then more rows
+    with pytest.raises(ValueError, match="unreadable line 2 in the middle"):
+        History.load(tmp_path)
+
+
+def test_a_huge_finite_reward_gives_a_row_with_its_statistics_null(tmp_path, caplog):
+    """Rewards of 1e200 train, save and serve: the row is still built (before: OverflowError while
+    squaring them for reward_std, the step's row lost). reward_mean stays finite; reward_std
+    overflows float64 and is recorded as null, with a warning."""
+    from types import SimpleNamespace
+
+    from artsg_nb.rollout.trajectory import Trajectory
+    from artsg_nb.run.history import step_row
+
+    trajs = [Trajectory(messages=[], token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -1.0], reward=r)
+             for r in (1e200, -1e200, 0.0, 1.0)]
+    groups = [SimpleNamespace(trajectories=trajs[:2]), SimpleNamespace(trajectories=trajs[2:])]
+    with caplog.at_level("WARNING"):
+        r = step_row(3, "policy-step-3", groups, {"loss": 0.5}).as_dict()
+    assert r["step"] == 3 and r["reward_mean"] == pytest.approx(0.25) and math.isnan(r["reward_std"])
+    assert "reward_std not finite" in caplog.text
+    History(tmp_path).append(r)
+    assert json.loads((tmp_path / HISTORY_FILE).read_text())["reward_std"] is None
+    huge = step_row(4, "policy-step-4", [SimpleNamespace(trajectories=trajs[:1] * 3)], {}).as_dict()
+    assert huge["reward_mean"] == pytest.approx(1e200) and huge["reward_std"] == 0.0

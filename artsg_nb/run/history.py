@@ -1,9 +1,11 @@
 """One row of training metrics per GRPO step, kept in memory and on disk.
 
 `History` is what the training loop appends to and what the plots and the progress line read.
-Every row is also written as one JSON line to `<run_dir>/history.jsonl` and flushed at once, so
-a crashed kernel loses at most the step it was in; `History.load(run_dir)` resumes from that file
-and tolerates a last line cut off mid-write.
+Every row is also written as one JSON line to `<run_dir>/history.jsonl`, whole or not at all (a
+write that fails, e.g. ENOSPC, is cut back off the file), so a crashed kernel loses at most the step
+it was in; `History.load(run_dir)` resumes from that file, drops a last line cut off mid-write and
+refuses a damaged line before the last, naming it. A row's reward statistics are float64 and
+recorded as null when not finite, never an overflow that loses the row.
 
 It does not compute metrics (the training step does) and does not draw anything (see plots.py).
 """
@@ -13,11 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from ..files import write_atomic
@@ -191,9 +195,7 @@ class History:
         if row.get("step") is None:
             row["step"] = self._rows[-1]["step"] + 1 if self._rows else 0
         row = {"step": row.pop("step"), **row}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")
-            f.flush()
+        _append_whole_line(self.path, (json.dumps(row, allow_nan=False) + "\n").encode("utf-8"))
         self._rows.append(row)
         return row
 
@@ -272,18 +274,38 @@ class History:
         return " | ".join(parts)
 
 
+def _append_whole_line(path: Path, line: bytes) -> None:
+    """Append `line` whole or not at all: unbuffered writes (a short write is continued), and on
+    any failure (ENOSPC, an interrupt) the file is cut back to its size before, so a retry never
+    leaves a torn line in the middle of the file."""
+    with open(path, "ab", buffering=0) as f:
+        size = f.seek(0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(line):
+                written += f.write(line[written:])
+        except BaseException:
+            try:
+                os.ftruncate(f.fileno(), size)
+            except OSError as e:  # the load drops a torn last line; say why it may find one
+                logger.error("%s: could not cut a partly written row back (%s)", path, e)
+            raise
+
+
 def _read_rows(path: Path) -> list[dict]:
-    """Parse a history file; drop (and trim from the file) a truncated last line."""
+    """Parse a history file; drop (and trim from the file) a torn last line (a write cut short by
+    a crash); a line that cannot be read before the last is refused, naming it."""
     data = path.read_bytes()
     rows: list[dict] = []
     good_bytes = 0
     for line in data.splitlines(keepends=True):
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
+        except ValueError:  # JSONDecodeError, or a UTF-8 sequence cut in two
             if good_bytes + len(line) < len(data):
                 raise ValueError(f"{path}: unreadable line {len(rows) + 1} in the middle of the "
-                                 f"file: {line[:80]!r}. Fix or remove it, then load again.")
+                                 f"file: {line[:80]!r}. Only a last line can be torn by a crash: this one was "
+                                 "changed or damaged. Fix or remove that line, then load again.") from None
             logger.warning("%s: dropping a truncated last line (%d bytes)", path, len(line))
             with open(path, "r+b") as f:
                 f.truncate(good_bytes)
@@ -336,6 +358,26 @@ def _format_seconds(seconds: float) -> str:
 
 
 
+def reward_stats(step: int, rewards: list) -> tuple[float, float]:
+    """(mean, sample std) of a step's rewards in float64, NaN when there are none. A statistic
+    that is not finite (a huge reward overflows its square) is NaN, stored as null, with a
+    warning: never an OverflowError that would lose the step's row."""
+    if not rewards:
+        return float("nan"), float("nan")
+    with np.errstate(over="ignore", invalid="ignore"):
+        try:
+            r = np.asarray(rewards, dtype=np.float64)
+        except OverflowError:  # an int beyond float64
+            r = np.full(len(rewards), np.inf)
+        mean = float(np.mean(r))
+        std = float(np.sqrt(np.sum(np.square(r - mean)) / max(len(r) - 1, 1)))
+    bad = [name for name, v in (("reward_mean", mean), ("reward_std", std)) if not math.isfinite(v)]
+    if bad:
+        logger.warning("step %d: %s not finite (rewards from %g to %g overflow float64); recorded as null",
+                       step, " and ".join(bad), float(np.min(r)), float(np.max(r)))
+    return (mean if math.isfinite(mean) else float("nan")), (std if math.isfinite(std) else float("nan"))
+
+
 def step_row(step: int, adapter: str | None, groups, metrics: dict, *, hit_rate: float | None = None,
              rollout_s: float | None = None, train_s: float | None = None, reload_s: float | None = None,
              probe: dict | None = None, memory: MemoryFields | None = None, restarts: int = 0,
@@ -345,9 +387,7 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, *, hit_rate:
     seconds, the served-adapter probe, the memory released around the update, restarts, and the
     optional groups."""
     trajs = [t for g in groups for t in g.trajectories]
-    rewards = [t.reward for t in trajs if is_valid(t)]
-    mean = sum(rewards) / len(rewards) if rewards else float("nan")
-    std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
+    mean, std = reward_stats(step, [t.reward for t in trajs if is_valid(t)])
     reach = reachable_hit_rate(groups, kv_tokens)  # kv_tokens: the server's KV cache size, when known
     m, probe = metrics.get, probe or {}
     return StepRow(

@@ -101,7 +101,7 @@ class SampleAhead:
         if release:
             raise ValueError("pipeline=True with release_memory: the server cannot give its memory back while "
                              "it samples the next step's rollouts. Turn one of them off (run.release = False).")
-        before = self.trainer.step
+        before = self.supervisor.update_from = self.trainer.step  # what the rollouts ahead are checked against
         ahead = self.ahead_task = asyncio.ensure_future(self._timed_rollouts(step + 1))
         ahead_done_at: list[float] = []  # when the rollouts ahead ended (the callback runs before this task wakes)
         ahead.add_done_callback(lambda _: ahead_done_at.append(self.clock.now()))
@@ -134,7 +134,7 @@ class SampleAhead:
                 self._roll_back(before)
             raise
         finally:
-            self.ahead_task = None
+            self.ahead_task, self.supervisor.update_from = None, None
         return update
 
     async def _train_in_thread(self, groups, before: int) -> tuple[Update, float]:

@@ -25,8 +25,10 @@ loss (rl/grpo.py). It is handed the run's parts; it knows nothing of the run abo
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import time
 
 from ..rollout.evaluate import history_fields
 from ..rollout.samples import constant_groups, write_rollouts
@@ -61,6 +63,9 @@ class GRPOStep:
     async def step(self, release: bool, publish: bool = True) -> dict:
         """One step. publish=False (a step of `run()` followed by another): a pipelined step may
         leave its new version saved and unserved; the next step serves it beside its own update."""
+        return await self._interruptible(self._step(release, publish))
+
+    async def _step(self, release: bool, publish: bool) -> dict:
         async with self._bracket(release):
             step = self.trainer.step + 1
             log.info("step %d: rollouts under %s", step, self.versions.weights_version)  # a stall names its phase
@@ -69,20 +74,45 @@ class GRPOStep:
                      " (server memory released around it)" if release else "")
             rewards = self._rewards(rollouts)
             leave = not publish and self._leaves_unpublished(step)
-            update = await self._update(rollouts, rewards, release, leave, pipelined=self.cfg.pipeline)
-            published = await self._version(rollouts, update, leave)
-            return await self._row(rollouts, update, published, self.sampler.fields)
+            return await self._train_and_serve(rollouts, rewards, release, leave, self.cfg.pipeline,
+                                               self.sampler.fields)
 
     async def train_on(self, groups, release: bool) -> dict:
         """The step on groups rolled out elsewhere, from the served adapter: update, version, row
         (no rollout_s / hit_rate)."""
+        return await self._interruptible(self._train_on(groups, release))
+
+    async def _train_on(self, groups, release: bool) -> dict:
         async with self._bracket(release):
             await self.versions.serve_newest()
             rollouts = Rollouts(self.trainer.step + 1, groups, None, None)
             rewards = self._rewards(rollouts)
-            update = await self._update(rollouts, rewards, release, leave=False, pipelined=False)
-            published = await self._version(rollouts, update, leave=False)
-            return await self._row(rollouts, update, published, pipeline=None)
+            return await self._train_and_serve(rollouts, rewards, release, False, False, None)
+
+    async def _train_and_serve(self, rollouts: Rollouts, rewards: Rewards, release: bool, leave: bool,
+                               pipelined: bool, pipeline: PipelineFields | None) -> dict:
+        """update → version → row, around the step's one point of no return: its version becomes
+        the trainer's (served, left to the next step, or a skipped update's checkpoint:
+        versions.weights_step reaches the step). Stopped before it (an error, or an interrupt:
+        a cancel at the next await, KeyboardInterrupt) the trainer is rolled back to the version
+        it started from, so the next step() redoes the step; stopped after it, the step's row is
+        written from what it has (no probe, no evaluation) before the error goes up, so the next
+        step() is the next one. A version saved and not served stays on disk without a row:
+        resume never takes it, and the redo replaces it."""
+        before, update = self.trainer.step, None
+        try:
+            update = await self._update(rollouts, rewards, release, leave, pipelined)
+            published = await self._version(rollouts, update, leave)
+            return await self._row(rollouts, update, published, pipeline)
+        except BaseException:
+            if self.versions.weights_step != rollouts.step:
+                self._roll_back(before)
+            elif update is not None and not self._row_kept(rollouts.step):
+                try:
+                    self.write_row(self._build_row(rollouts, update, None, pipeline))
+                except BaseException:  # noqa: BLE001 — kept for the next step (write_row); the first error goes up
+                    pass
+            raise
 
     # ---- the phases -------------------------------------------------------------------------------
     def _rewards(self, rollouts: Rollouts) -> Rewards:
@@ -132,20 +162,70 @@ class GRPOStep:
             if pipeline is not None and pipeline.reload_wait_s is not None:  # the load's wait, then the publish's
                 pipeline.reload_wait_s += published.waited_s
             evaluation = await self._evaluation(step)
-            stats = self.supervisor.server.worker_stats()  # a fleet's per-worker figures since the last scrape
-            row = step_row(step, self.versions.weights_version, rollouts.groups, update.metrics,
-                           hit_rate=rollouts.hit_rate, rollout_s=rollouts.rollout_s, train_s=update.train_s,
-                           reload_s=reload_s, probe=published.probe,
-                           memory=MemoryFields(update.release_s, update.resume_s), restarts=self.supervisor.restarts,
-                           pipeline=pipeline, eval=evaluation,
-                           fleet=FleetFields(**stats) if stats else None,
-                           kv_tokens=self.scrape.tracker.kv_tokens).as_dict()
+            row = self._build_row(rollouts, update, published, pipeline, reload_s, evaluation)
             self.write_row(row)
             self.trackers.log(row)
             with self.clock.phase("prune"):
                 prune_adapters(self.versions.adapters, self.cfg.keep_adapters, self.cfg.keep_every,
                                protect=(*self.versions.protected(), published.version.step))
         return row
+
+    def _build_row(self, rollouts: Rollouts, update: Update, published: Published | None,
+                   pipeline: PipelineFields | None, reload_s: float | None = None,
+                   evaluation: EvalFields | None = None) -> dict:
+        """The step's row (history.step_row); `published` None: a step interrupted after its
+        version was served, whose row has no reload_s or probe. Statistics that cannot be computed
+        never lose the row: it is written with what is known, and a warning says why."""
+        stats = self.supervisor.server.worker_stats()  # a fleet's per-worker figures since the last scrape
+        try:
+            return step_row(rollouts.step, self.versions.weights_version, rollouts.groups, update.metrics,
+                            hit_rate=rollouts.hit_rate, rollout_s=rollouts.rollout_s, train_s=update.train_s,
+                            reload_s=reload_s, probe=published.probe if published else None,
+                            memory=MemoryFields(update.release_s, update.resume_s),
+                            restarts=self.supervisor.restarts, pipeline=pipeline, eval=evaluation,
+                            fleet=FleetFields(**stats) if stats else None,
+                            kv_tokens=self.scrape.tracker.kv_tokens).as_dict()
+        except Exception as e:  # noqa: BLE001 — the step is done: its row is written whatever a statistic does
+            log.warning("step %d: its row's statistics could not be computed (%s: %s); written without them",
+                        rollouts.step, type(e).__name__, e)
+            return {"step": rollouts.step, "adapter": self.versions.weights_version, "groups": len(rollouts.groups),
+                    "update_skipped": update.skipped, "restarts": self.supervisor.restarts, "time": time.time()}
+
+    def _row_kept(self, step: int) -> bool:
+        """Whether step `step`'s row is written, or kept for the next step to write."""
+        last = self.history.last
+        return (last is not None and last["step"] == step) or (
+            self.unwritten_row is not None and self.unwritten_row["step"] == step)
+
+    def _roll_back(self, before: int) -> None:
+        """The trainer back to version `before` (versions.roll_back): a step stopped before its
+        version became the trainer's leaves nothing of its update. A rollback that fails is logged:
+        the next step's check (supervisor.check_served) then refuses to roll out."""
+        try:
+            self.versions.roll_back(before)
+        except Exception as e:  # noqa: BLE001 — the step's own error is the one to report
+            log.error("could not roll the trainer back to step %d (%s: %s); continue with "
+                      "GRPORun(replace(cfg, resume=True)).start()", before, type(e).__name__, e)
+
+    async def _interruptible(self, step_coro) -> dict:
+        """`await step_coro`; an interrupt (the notebook's stop button: a cancel, or KeyboardInterrupt)
+        goes up as it came, so the cell stops, with one line saying where the step stopped and how
+        to go on, instead of the traceback of every await it crossed."""
+        t0, step = self.clock.now(), self.trainer.step + 1
+        try:
+            return await step_coro
+        except (asyncio.CancelledError, KeyboardInterrupt) as e:
+            log.warning("%s", self._interrupted_line(step, t0))
+            raise e.with_traceback(None) from None
+
+    def _interrupted_line(self, step: int, t0: float) -> str:
+        started = self.clock.since(t0)
+        phase = max(started, key=lambda span: span.t0).name if started else "its start"
+        if self.trainer.step >= step:
+            return (f"step {step} interrupted during {phase}, after {self.versions.weights_version} became the "
+                    f"trainer's: step {step} is complete and in history; the next step() is step {step + 1}.")
+        return (f"step {step} interrupted during {phase}: undone, the trainer is back at step {self.trainer.step} "
+                f"({self.versions.weights_version}); the next step() redoes step {step}.")
 
     # ---- around the phases ------------------------------------------------------------------------
     @contextlib.asynccontextmanager

@@ -45,6 +45,13 @@ class ServerSupervisor:
         self.publisher = None  # rl.lora.AdapterPublisher, on self.client
         self.restarts = 0
         self.weights_version: str | None = None  # the adapter version holding the trainer's weights
+        self.weights_step: int | None = None
+        """The trainer step whose weights the served version holds: its own step, or a later one
+        whose update was skipped (no signal: same weights; AdapterVersions.save_skipped)."""
+        self.update_from: int | None = None
+        """While a pipelined update runs beside the rollouts ahead (pipeline.SampleAhead.train): the
+        trainer step it started from, the weights those rollouts sample from (the trainer's own
+        step moves when the update ends, in its worker thread)."""
 
     @property
     def adapter(self) -> str | None:
@@ -54,14 +61,22 @@ class ServerSupervisor:
 
     async def check_served(self, trainer_step: int) -> None:
         """Roll out only under the adapter the trainer's weights are: the version this run published
-        last (a step without signal keeps it), held by the server (never the base model instead)."""
+        last (a step without signal keeps it), held by the server (never the base model instead),
+        and holding the weights of `trainer_step` (the trainer's step, or the one an update in
+        flight started from), never those of a step before it."""
         expected = self.weights_version
+        trainer_step = self.update_from if self.update_from is not None else trainer_step
         held = await self.client.list_adapters()
         if self.adapter != expected or expected not in held:
             raise AdapterMismatchError(
                 f"the trainer is at step {trainer_step} and expects rollouts from {expected}, but the "
                 f"server holds {sorted(held)}; no rollout was run. "
                 f"Continue with GRPORun(replace(cfg, resume=True)).start() (run_dir {self.run_dir}).")
+        if self.weights_step is not None and trainer_step != self.weights_step:
+            raise AdapterMismatchError(
+                f"the trainer is at step {trainer_step} but the served {expected} holds the weights of step "
+                f"{self.weights_step}; no rollout was run. Continue with "
+                f"GRPORun(replace(cfg, resume=True)).start() (run_dir {self.run_dir}).")
 
     async def raise_if_server_lost(self, groups) -> None:
         """Failed rollouts and a server that exited (or no longer answers /health) are a server
@@ -118,6 +133,11 @@ class ServerSupervisor:
         while unloading the version before it): adapter names cannot be loaded twice."""
         if self.publisher.current is None:  # a run's first: an adopted server holds a dead kernel's adapters
             await self.publisher.clear()
-        if self.publisher.current is None or self.publisher.current.name != version.name:
-            await self.publisher.publish(version)
-        self.weights_version = version.name  # what the trainer's weights are, served
+        try:
+            if self.publisher.current is None or self.publisher.current.name != version.name:
+                await self.publisher.publish(version)
+        finally:  # also when interrupted while unloading the version before: `version` is served then
+            if self.publisher.current is not None and self.publisher.current.name == version.name:
+                self.weights_version = version.name  # what the trainer's weights are, served
+                # a step skipped since (same weights) keeps its later step (a version left to serve)
+                self.weights_step = max(version.step, self.weights_step if self.weights_step is not None else -1)

@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..rl.lora import (AdapterSaveError, AdapterVersion, MaskedScorer, latest_checkpoint, probe_served_adapter,
-                       probe_trajectory, remove_stale_tmp, save_adapter_atomic, seal_version)
+from ..rl.lora import (AdapterSaveError, AdapterVersion, MaskedScorer, adapter_name, latest_checkpoint,
+                       probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic, seal_version)
 from .clock import PhaseClock
 from .results import Published, Saved
 from .scrape import MetricsScrape
@@ -77,6 +77,14 @@ class AdapterVersions:
     def weights_version(self) -> str | None:
         """The version the trainer's weights are: the served one, or one left to the next step."""
         return self.unpublished.name if self.unpublished else self.supervisor.weights_version
+
+    @property
+    def weights_step(self) -> int | None:
+        """The trainer step whose weights `weights_version` holds (a skipped update's step keeps
+        the version before it: same weights). A step is done once this reaches it (run/step.py)."""
+        steps = [s for s in (self.unpublished.step if self.unpublished else None, self.supervisor.weights_step)
+                 if s is not None]
+        return max(steps) if steps else None
 
     @property
     def newest(self) -> AdapterVersion:
@@ -155,10 +163,19 @@ class AdapterVersions:
         self.trainer.step += 1
         try:
             with self.clock.phase("save"):
-                return save_adapter_atomic(self._write_with_checkpoint, self.adapters, self.trainer.step)
-        except AdapterSaveError:
+                version = save_adapter_atomic(self._write_with_checkpoint, self.adapters, self.trainer.step)
+        except BaseException:
             self.trainer.step -= 1
             raise
+        self.supervisor.weights_step = self.trainer.step  # the served version holds this step's weights too
+        return version
+
+    def roll_back(self, step: int) -> None:
+        """The trainer back to its own saved version `step` (weights, optimizer, step, RNG): a step
+        stopped before its version was served (or left to the next step) is undone whole, so the
+        next step() redoes it. Its checkpoint may still be written in the background, or only in
+        memory (load_checkpoint waits for it or restores it from there)."""
+        self.trainer.load_checkpoint(self.adapters / adapter_name(step))
 
     def _write_with_checkpoint(self, tmp: Path) -> None:
         """The adapter and its checkpoint, both written before the version is renamed into place."""
@@ -241,7 +258,12 @@ class AdapterVersions:
 
     async def _publish(self, version: AdapterVersion) -> None:
         with self.clock.phase("publish"):
-            await self.supervisor.with_restarts(self.supervisor.publish, version)
+            try:
+                await self.supervisor.with_restarts(self.supervisor.publish, version)
+            finally:  # served, even if interrupted while unloading the version before: one left unserved is superseded
+                if (self.supervisor.weights_version == version.name and self.unpublished is not None
+                        and self.unpublished.step < version.step):
+                    self.unpublished = None
 
     # ---- verify ------------------------------------------------------------------------------------
     def verify_due(self, step: int) -> bool:

@@ -76,3 +76,31 @@ def test_step_whose_save_fails_in_safetensors_is_rolled_back(tmp_path, tiny_mode
         row = asyncio.run(run.step())
         assert row["step"] == 2 and row["adapter"] == "policy-step-2"
         assert [int(s) for s in run.history.df["step"]] == [1, 2]
+
+
+def test_a_history_row_cut_by_a_full_disk_is_cut_back_and_a_resume_reads_every_row(tmp_path, tiny_model_dir):
+    """Step 2's row meets a real write error half way (the file-size limit: the kernel writes what
+    fits, then refuses the rest, as a full disk does): the file is cut back to row 1, the next
+    step writes row 2 then row 3, and a new kernel's resume reads [1, 2, 3] (before: the torn half
+    row stayed, the retry appended after it, and resume refused a corrupt middle line)."""
+    from artsg_nb.run.history import HISTORY_FILE
+    cfg = RunConfig(task=SCRIPTED, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
+                    group_size=2, groups_per_step=2, lora_rank=4, lora_alpha=8, seed=5, verbose=False)
+    path = tmp_path / "run" / HISTORY_FILE
+    with GRPORun(cfg) as run:
+        asyncio.run(run.step())
+        size, append = path.stat().st_size, run.history.append
+
+        def full_disk_append(row):
+            with file_size_limit(size + 40):  # room for the first 40 bytes of the row
+                return append(row)
+
+        run.history.append = full_disk_append
+        with pytest.raises(OSError):
+            asyncio.run(run.step())
+        assert path.stat().st_size == size, "the torn row was left in the file"
+        run.history.append = append
+        assert asyncio.run(run.step())["step"] == 3
+    from dataclasses import replace
+    with GRPORun(replace(cfg, resume=True)) as resumed:
+        assert [r["step"] for r in resumed.history.rows] == [1, 2, 3] and resumed.trainer.step == 3

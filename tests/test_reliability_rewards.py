@@ -58,3 +58,24 @@ def test_a_task_in_main_aliased_as_mp_main_is_recorded_as_not_importable():
     out = subprocess.run([sys.executable, "-c", MP_MAIN], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("True"), out.stdout
+
+
+def test_a_finite_but_huge_reward_keeps_every_row(tmp_path, tiny_model_dir):
+    """Rewards of 1e200 (finite): the step trains, saves and serves, and its row is written with
+    reward_std recorded as null (before: OverflowError squaring them while the row was built,
+    after the step was served; history went on [1, 4])."""
+    import asyncio
+    import math
+    from dataclasses import replace
+
+    from artsg_nb.run.session import GRPORun, RunConfig
+    from scripted_tasks import ADDITION_WITH_SIGNAL
+
+    task = replace(ADDITION_WITH_SIGNAL, name="huge-reward",
+                   group_reward=lambda envs, trajs: [1e200 * (i % 2) for i in range(len(trajs))])
+    cfg = RunConfig(task=task, engine="cpu", model_path=str(tiny_model_dir), run_dir=str(tmp_path / "run"),
+                    group_size=2, groups_per_step=2, lora_rank=4, lora_alpha=8, seed=5, verbose=False)
+    with GRPORun(cfg) as run:
+        rows = [asyncio.run(run.step()) for _ in range(2)]
+        assert [r["step"] for r in run.history.rows] == [1, 2] and run.adapter == "policy-step-2"
+    assert all(math.isclose(r["reward_mean"], 5e199) and math.isnan(r["reward_std"]) for r in rows), rows

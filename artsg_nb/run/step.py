@@ -15,10 +15,15 @@ PhaseClock:
   row       the history row (history.StepRow) written, logged to trackers, old versions pruned
 
 `train_on(groups, release)` is the same step on groups rolled out elsewhere (ART). Each phase is
-a point where the step can stop: an error or a cancellation in rollouts or rewards leaves nothing
-changed; in the update the trainer is rolled back (pipeline.py, versions.save_new); in version a
-version saved but not served stays on disk without a row (resume never takes it); a row that
-cannot be written is kept and written first by the next step, so history has no gap.
+a point where the step can stop (an error, or an interrupt: the notebook's stop button cancels at
+the next await), and the step has one point of no return: its version becoming the trainer's
+(served, left to the next step, or a skipped update's checkpoint; versions.weights_step). Stopped
+in rollouts or rewards nothing has changed; stopped before that point the trainer is rolled back
+to the version the step started from (versions.roll_back), so the next step() redoes the step (a
+version saved but not served stays on disk without a row: resume never takes it, the redo
+replaces it); stopped after it the row is written with what the step has, so the next step() is
+the next one. A row that cannot be written is kept and written first by the next step, so history
+has no gap. An interrupt goes up (the cell stops) with one logged line saying where it stopped.
 
 What it does not do: start or stop anything (session.py), restart servers (supervisor.py), the
 loss (rl/grpo.py). It is handed the run's parts; it knows nothing of the run above it.

@@ -6,8 +6,9 @@ exited, stopped answering (the health watchdog kills a hung one) or lost every r
 restarted, bounded by `max_restarts` (with several servers, a dead worker is dropped once they are
 spent), the newest adapter is republished, and the work is redone; a server that dies again during
 the restart takes the next restart. Before rollouts, `check_served` makes sure the server holds the
-version the trainer's weights are (`weights_version`, set by `publish`), never the base model in
-its place. Restarts exhausted: `ServerLostError` with the cause, what to do and the log tail;
+version the trainer's weights are (`weights_version`, set by `publish`, also when a publish is
+interrupted after its load), never the base model in its place, and that this version holds the
+trainer's step (`weights_step`). Restarts exhausted: `ServerLostError` with the cause, what to do and the log tail;
 completed steps stay in run_dir.
 
 What it does not do: decide what a step is (step.py), start processes (serving/), or keep

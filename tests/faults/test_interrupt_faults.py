@@ -15,6 +15,7 @@ In order (interrupt → state):
     and every later step() raised AdapterMismatchError);
   - 8 interrupts at seeded random phases of `run.run(5)`, synchronous and pipelined → contiguous
     history, the trainer's version served (or left to the next step) every time;
+  - the trainer a step ahead of the served version → check_served refuses to roll out;
   - what the user sees: one line naming the step, the phase and what the next step() does, and
     a short traceback (no chain of the awaits it crossed).
 """
@@ -30,6 +31,7 @@ from dataclasses import replace
 
 import pytest
 
+from artsg_nb.rl.lora import AdapterMismatchError
 from artsg_nb.run.session import GRPORun, RunConfig
 from scripted_tasks import ADDITION_WITH_SIGNAL
 from waiting import forever, wait_until_async
@@ -173,6 +175,10 @@ def test_an_interrupt_in_the_load_or_the_unload_of_a_version_leaves_no_wedged_ru
     assert_consistent(run)
     assert asyncio.run(run.step())["step"] == 3 and run.adapter == "policy-step-3"
     assert_consistent(run)
+    run.trainer.step += 1  # the old defect's state: the trainer a step ahead of the version it serves
+    with pytest.raises(AdapterMismatchError, match="at step 4 but the served policy-step-3 holds the weights of step 3"):
+        asyncio.run(run.step())  # check_served refuses to roll out (before: it compared only the names)
+    run.trainer.step -= 1
 
 
 def test_the_user_sees_one_line_where_it_stopped_and_a_short_traceback(sync_run, caplog):

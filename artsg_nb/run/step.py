@@ -122,8 +122,9 @@ class GRPOStep:
     # ---- the phases -------------------------------------------------------------------------------
     def _rewards(self, rollouts: Rollouts) -> Rewards:
         with self.clock.phase("rewards"):
-            require_rewards(rollouts.groups)
+            # written first: a step that stops for want of rewards leaves its completions to read
             write_rollouts(self.history.run_dir, rollouts.step, rollouts.groups)
+            require_rewards(rollouts.groups)
             zero_adv, no_signal = constant_groups(rollouts.groups)
         return Rewards(zero_adv, not no_signal)
 

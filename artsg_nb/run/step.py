@@ -29,7 +29,7 @@ import contextlib
 import logging
 
 from ..rollout.evaluate import history_fields
-from ..rollout.samples import constant_groups, write_rollouts
+from ..rollout.samples import constant_groups, samples_block, write_rollouts
 from ..rollout.trajectory import require_rewards
 from .clock import PhaseClock
 from .config import RunConfig
@@ -141,6 +141,8 @@ class GRPOStep:
                            fleet=FleetFields(**stats) if stats else None,
                            kv_tokens=self.scrape.tracker.kv_tokens).as_dict()
             self.write_row(row)
+            if self.cfg.verbose and self.cfg.print_samples:  # a short block under the step's line
+                print(samples_block(rollouts.groups, self.cfg.print_samples, step), flush=True)
             self.trackers.log(row)
             with self.clock.phase("prune"):
                 prune_adapters(self.versions.adapters, self.cfg.keep_adapters, self.cfg.keep_every,

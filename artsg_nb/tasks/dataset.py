@@ -9,7 +9,10 @@ for chat prompts), `completion_ids`, every other dataset column as a list, `trai
 object with `global_step` and `epoch`), `log_extra` and `log_metric`. Async reward functions are
 awaited. The reward is TRL's weighted sum over functions, skipping None/NaN (TRL's nansum); a
 sample that no function scores has no reward (None), and rollout.py records that on the
-trajectory, which GRPO then leaves out of the advantages (TRL would count it as 0).
+trajectory, which GRPO then leaves out of the advantages (TRL would count it as 0). Each
+function's own value goes on the trajectory too (`reward_parts`: the rollouts file, the history's
+`rewards/<fn>/mean|std`), and a `success` function's (one of them by name, or another) on
+`trajectory.success`, which evaluation's pass@k then reads instead of the weighted sum.
 
 Rows and epochs: the group seed picks the row. `group_seeds(run_seed, step, count)` numbers the
 groups of a run 0, 1, 2, ... (encoded with the run seed), and group i plays row

@@ -79,7 +79,7 @@ class RewardFields:
     means: dict[str, float | None]
     """Function name -> mean of its values (None when it gave none)."""
     stds: dict[str, float | None]
-    """Function name -> sample standard deviation of its values (None with fewer than one)."""
+    """Function name -> sample standard deviation of its values (None when it gave none)."""
 
     def columns(self) -> dict[str, float | None]:
         """The row's keys: `rewards/<fn>/mean` and `rewards/<fn>/std` per function."""

@@ -10,7 +10,9 @@ as a DataFrame (samples.py's columns). Which prompts (`eval_seeds`):
 - a task without splits (the generated demo tasks) is evaluated on env seeds from EVAL_SEED_BASE
   on; training draws its seeds below 2**30 (run.source.RolloutSource.seeds), so the two ranges are disjoint.
 pass@k: the fraction of prompts where at least one of the k samples scores >= `success_reward`
-(with greedy decoding, k = 1: the fraction answered correctly).
+(with greedy decoding, k = 1: the fraction answered correctly). The score is the task's success
+function's value when it names one (`Task.from_dataset(success=...)`, on `Trajectory.success`),
+else the reward, which for several reward functions is their weighted sum.
 
 What it does not do: train, save, load or unload an adapter (evaluation only reads the served
 one), or write the history (run/step.py puts `eval_reward` / `eval_pass_at_k` on the step's row).
@@ -74,19 +76,29 @@ async def evaluate(client, task, tokenizer, adapter: str | None, *, split: str =
     groups = await collect_groups(client, played, tokenizer, seeds, k, params, adapter=adapter,
                                   concurrency=concurrency, schedule="naive" if k == 1 else "prefix",
                                   max_seq_tokens=max_seq_tokens, sampling_seed_base=EVAL_SAMPLING_SEED)
-    return EvalResult(summarise(groups, k, success_reward, split, adapter), samples_frame(sample_records(groups)))
+    by_success = getattr(getattr(played, "source", None), "success", None) is not None
+    return EvalResult(summarise(groups, k, success_reward, split, adapter, by_success),
+                      samples_frame(sample_records(groups)))
 
 
-def summarise(groups, k: int, success_reward: float, split: str, adapter: str | None) -> dict:
-    """Mean/std reward over valid samples (failed ones are counted, not scored) and pass@k."""
+def summarise(groups, k: int, success_reward: float, split: str, adapter: str | None,
+              by_success: bool = False) -> dict:
+    """Mean/std reward over valid samples (failed ones are counted, not scored) and pass@k, which
+    reads each trajectory's `success` value instead of its reward with `by_success`."""
     rewards = [t.reward for g in groups for t in g.trajectories if t.valid]
     mean = sum(rewards) / len(rewards) if rewards else float("nan")
     std = (sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)) ** 0.5 if rewards else float("nan")
-    solved = [any(t.valid and t.reward >= success_reward for t in g.trajectories) for g in groups]
+    solved = [any(_passed(t, success_reward, by_success) for t in g.trajectories) for g in groups]
     return {"eval_reward_mean": mean, "eval_reward_std": std,
             "pass_at_k": sum(solved) / len(solved) if solved else float("nan"), "k": k, "n": len(groups),
             "failed": sum(t.error is not None for g in groups for t in g.trajectories),
             "split": split, "adapter": adapter}
+
+
+def _passed(traj, success_reward: float, by_success: bool) -> bool:
+    """A valid trajectory whose score (success value or reward) reaches `success_reward`."""
+    score = traj.success if by_success else traj.reward
+    return traj.valid and score is not None and score >= success_reward
 
 
 def history_fields(summary: dict) -> dict:

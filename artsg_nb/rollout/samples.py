@@ -2,11 +2,13 @@
 
 What it does: `write_rollouts(run_dir, step, groups)` writes `<run_dir>/rollouts/step-N.jsonl`, one
 line per trajectory (group seed and index, member index, the messages of every turn, the
-completion text, reward, finish reasons, prompt/completion token counts, error, adapter), written
+completion text, reward, each reward function's part (`reward_parts`, dataset tasks), finish
+reasons, prompt/completion token counts, error, adapter), written
 to a temporary file and renamed, so a file is whole or absent. `read_samples(run_dir, step, k)`
 reads one step's file back as a pandas DataFrame, `read_rollouts(run_dir)` every step's (the
 charts' input); `samples_frame(groups)` is the same table built
-from groups in memory (evaluation uses it). `constant_groups(groups)` counts groups whose valid
+from groups in memory (evaluation uses it); `samples_block(groups, k)` is k of them as a short
+text block (RunConfig.print_samples). `constant_groups(groups)` counts groups whose valid
 members all have one reward (zero advantage: no learning signal) and says whether the step has
 nothing at all to learn from.
 
@@ -52,6 +54,9 @@ def sample_records(groups: Sequence, step: int | None = None) -> list[dict]:
                       "prompt_tokens": t.prompt_len, "completion_tokens": int(sum(t.completion_mask)),
                       "turns": t.turns, "truncated": bool(t.truncated), "error": t.error,
                       "adapter": t.adapter, "messages": list(t.messages)}
+            parts = getattr(t, "reward_parts", None)
+            if parts:  # a dataset task's reward functions, each on its own (sample_cards shows them)
+                record["reward_parts"] = dict(parts)
             records.append(record if step is None else {"step": step, **record})
     return records
 
@@ -122,6 +127,33 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             log.warning("%s line %d is not JSON (cut off?); skipped", path, number)
     return rows
+
+
+SAMPLE_LINE_CHARS = 160
+"""A printed sample's completion is cut to this many characters (the file keeps it whole)."""
+
+
+def samples_block(groups: Sequence, k: int, step: int | None = None) -> str:
+    """k of the step's completions as a short text block (RunConfig.print_samples): the first
+    member of each of the first k groups (then second members, ...), one line each with reward,
+    reward parts and finish reason, the completion on one line, cut to SAMPLE_LINE_CHARS."""
+    records = sample_records(groups)
+    by_member = sorted(records, key=lambda r: (r["member"], r["group"]))[:max(k, 0)]
+    head = f"  samples of step {step}:" if step is not None else "  samples:"
+    return "\n".join([head, *(_sample_line(r) for r in by_member)])
+
+
+def _sample_line(record: dict) -> str:
+    reward = record["reward"]
+    said = "none" if reward is None else f"{reward:.2f}"
+    parts = record.get("reward_parts") or {}
+    if parts:
+        said += " (" + ", ".join(f"{n} {'none' if v is None else f'{v:.2f}'}" for n, v in parts.items()) + ")"
+    text = " ".join(str(record["completion"]).split())
+    text = text if len(text) <= SAMPLE_LINE_CHARS else text[:SAMPLE_LINE_CHARS - 1] + "…"
+    where = f"g{record['group']}.{record['member']}"
+    error = f" | error {record['error']}" if record.get("error") else ""
+    return f"  {where} reward {said} | {record['finish_reason']}{error} | {text!r}"
 
 
 def constant_groups(groups: Sequence) -> tuple[int, bool]:

@@ -88,6 +88,12 @@ class Trajectory:
     turn_stats: list[dict] = field(default_factory=list)
     """Per model turn: {"prompt_tokens", "cached_tokens"} as the server reported them (the sums
     are `prompt_tokens` / `cached_tokens`); metrics.turn_hit_rates tabulates them."""
+    reward_parts: dict[str, float | None] | None = None
+    """Each reward function's own value for this episode, by function name, before weighting (a
+    dataset task's group scoring, tasks/dataset.py); None for tasks that pay one reward."""
+    success: float | None = None
+    """The task's success function's value for this episode (`Task.from_dataset(success=...)`),
+    what evaluation's pass@k compares; None when the task names none (pass@k then reads reward)."""
 
     @property
     def valid(self) -> bool:

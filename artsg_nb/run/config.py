@@ -149,6 +149,10 @@ class RunConfig:
     only; CPU: processes with gloo. Logs in run_dir/trainer-rank<r>.log."""
     verbose: bool = True
     """Print one progress line per step."""
+    print_samples: int = 0
+    """With verbose: after each step's line, print this many of its completions (one per group,
+    shortened to a line each, with reward, reward parts and finish reason; 0: none). Every
+    completion is saved whole in run_dir/rollouts (run.show_samples(k) shows them)."""
     eval_every: int = 0
     """Evaluate the served adapter after every Nth step (0: never) on held-out prompts
     (evaluate.py); the step's history row gets eval_reward and eval_pass_at_k. Eval never trains."""
@@ -182,7 +186,7 @@ class RunConfig:
 
 CONFIG_FILE = "config.json"
 """The run's RunConfig as JSON, in run_dir (the API key is never written)."""
-_OPERATIONAL = frozenset({"resume", "verbose", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s",
+_OPERATIONAL = frozenset({"resume", "verbose", "print_samples", "trainer_ranks", "max_restarts", "hang_timeout_s", "admin_timeout_s",
                           "reward_timeout_s", "verify_adapter", "verify_every", "concurrency",
                           "api_key", "server_args", "release_memory", "release_tags", "run_dir", "schedule", "prompt_warm_up",
                           "eval_every", "eval_n", "keep_adapters", "keep_every", "report_to",

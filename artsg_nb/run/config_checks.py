@@ -37,7 +37,7 @@ _NUMBERS = {
     "micro_batch_tokens": (_INT, 1, True), "seed": (_INT, 0, False), "max_restarts": (_INT, 0, False),
     "hang_timeout_s": (_REAL, 0, False), "admin_timeout_s": (_REAL, 0, False), "reward_timeout_s": (_REAL, 0, False),
     "num_servers": (_INT, 1, False), "trainer_ranks": (_INT, 1, False), "eval_every": (_INT, 0, False),
-    "eval_n": (_INT, 1, False), "keep_adapters": (_INT, 0, False), "keep_every": (_INT, 0, False),
+    "eval_n": (_INT, 1, False), "print_samples": (_INT, 0, False), "keep_adapters": (_INT, 0, False), "keep_every": (_INT, 0, False),
 }
 """Numeric fields: (kind, minimum (None: above 0), None allowed)."""
 _BOOLS = ("resume", "verify_adapter", "verbose", "pipeline")

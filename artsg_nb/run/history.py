@@ -74,6 +74,42 @@ class FleetFields:
 
 
 @dataclass
+class RewardFields:
+    """Each reward function's part of the reward, over the step's completions, as TRL logs it
+    (`rewards/<fn>/mean`, `rewards/<fn>/std`): a dataset task's functions before weighting
+    (Trajectory.reward_parts), None values left out (TRL's nanmean). Its columns are named by the
+    task's functions, so they are not in COLUMNS; .df puts them after those."""
+
+    means: dict[str, float | None]
+    """Function name -> mean of its values (None when it gave none)."""
+    stds: dict[str, float | None]
+    """Function name -> sample standard deviation of its values (None when it gave none)."""
+
+    def columns(self) -> dict[str, float | None]:
+        """The row's keys: `rewards/<fn>/mean` and `rewards/<fn>/std` per function."""
+        return {f"rewards/{name}/{what}": value for name in self.means
+                for what, value in (("mean", self.means[name]), ("std", self.stds.get(name)))}
+
+
+def reward_fields(groups) -> RewardFields | None:
+    """Per-function means and stds of the parts on `groups`' played trajectories; None when no
+    trajectory carries parts (tasks that pay one reward)."""
+    parts = [t.reward_parts for g in groups for t in g.trajectories
+             if t.error is None and getattr(t, "reward_parts", None)]
+    if not parts:
+        return None
+    names = list(dict.fromkeys(name for p in parts for name in p))
+    means, stds = {}, {}
+    for name in names:
+        values = [p[name] for p in parts if p.get(name) is not None]
+        mean = sum(values) / len(values) if values else None
+        means[name] = mean
+        stds[name] = ((sum((v - mean) ** 2 for v in values) / max(len(values) - 1, 1)) ** 0.5
+                      if values else None)
+    return RewardFields(means, stds)
+
+
+@dataclass
 class StepRow:
     """One step's history row, typed: what `step_row` fills in and `History.append` writes (as
     `as_dict()`: these keys in this order, a group's in its place; an absent optional group
@@ -132,12 +168,16 @@ class StepRow:
     pipeline: PipelineFields | None = None
     eval: EvalFields | None = None
     fleet: FleetFields | None = None
+    rewards: RewardFields | None = None
+    """Per reward function columns (`rewards/<fn>/mean|std`), dataset tasks only."""
 
     def as_dict(self) -> dict:
         row = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in GROUPS:
+            if f.name in NAMED_BY_TASK:
+                row.update(value.columns() if value else {})
+            elif f.name in GROUPS:
                 row.update({g.name: getattr(value, g.name) for g in fields(GROUPS[f.name])} if value else {})
             elif value is not None or f.name != "trainer_ranks":
                 row[f.name] = value
@@ -146,9 +186,11 @@ class StepRow:
 
 GROUPS = {"memory": MemoryFields, "pipeline": PipelineFields, "eval": EvalFields, "fleet": FleetFields}
 """StepRow's groups: fields whose columns are their dataclass's fields."""
+NAMED_BY_TASK = {"rewards": RewardFields}
+"""StepRow's groups whose columns the task names (`columns()`): not in COLUMNS."""
 
 COLUMNS: tuple[str, ...] = tuple(
-    name for f in fields(StepRow)
+    name for f in fields(StepRow) if f.name not in NAMED_BY_TASK
     for name in ([g.name for g in fields(GROUPS[f.name])] if f.name in GROUPS else [f.name]))
 """Every column a step row may have, in row order (StepRow flattened). Rows may carry extra keys
 (a hand-made row, an older version's); .df puts them after these."""
@@ -406,4 +448,5 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, *, hit_rate:
         reward_errors=sum(t.reward_error is not None for t in trajs),
         truncated=sum(bool(t.truncated) for t in trajs), restarts=restarts,
         probe_mad=probe.get("probe_mad"), probe_moved=probe.get("probe_moved"),
-        trainer_ranks=m("ranks"), time=time.time(), pipeline=pipeline, eval=eval, fleet=fleet)
+        trainer_ranks=m("ranks"), time=time.time(), pipeline=pipeline, eval=eval, fleet=fleet,
+        rewards=reward_fields(groups))

@@ -36,7 +36,7 @@ import logging
 import time
 
 from ..rollout.evaluate import history_fields
-from ..rollout.samples import constant_groups, write_rollouts
+from ..rollout.samples import constant_groups, samples_block, write_rollouts
 from ..rollout.trajectory import require_rewards
 from .clock import PhaseClock
 from .config import RunConfig
@@ -170,6 +170,8 @@ class GRPOStep:
             evaluation = await self._evaluation(step)
             row = self._build_row(rollouts, update, published, pipeline, reload_s, evaluation)
             self.write_row(row)
+            if self.cfg.verbose and self.cfg.print_samples:  # a short block under the step's line
+                print(samples_block(rollouts.groups, self.cfg.print_samples, step), flush=True)
             self.trackers.log(row)
             with self.clock.phase("prune"):
                 prune_adapters(self.versions.adapters, self.cfg.keep_adapters, self.cfg.keep_every,

@@ -9,7 +9,10 @@ for chat prompts), `completion_ids`, every other dataset column as a list, `trai
 object with `global_step` and `epoch`), `log_extra` and `log_metric`. Async reward functions are
 awaited. The reward is TRL's weighted sum over functions, skipping None/NaN (TRL's nansum); a
 sample that no function scores has no reward (None), and rollout.py records that on the
-trajectory, which GRPO then leaves out of the advantages (TRL would count it as 0).
+trajectory, which GRPO then leaves out of the advantages (TRL would count it as 0). Each
+function's own value goes on the trajectory too (`reward_parts`: the rollouts file, the history's
+`rewards/<fn>/mean|std`), and a `success` function's (one of them by name, or another) on
+`trajectory.success`, which evaluation's pass@k then reads instead of the weighted sum.
 
 Rows and epochs: the group seed picks the row. `group_seeds(run_seed, step, count)` numbers the
 groups of a run 0, 1, 2, ... (encoded with the run seed), and group i plays row
@@ -112,6 +115,9 @@ class DatasetSource:
     state: RewardState = field(default_factory=RewardState)
     logged: dict[str, list] = field(default_factory=dict)
     """What reward functions passed to `log_metric` / `log_extra`, by name."""
+    success: Callable | str | None = None
+    """What counts as solved for pass@k: the name of one of `reward_funcs`, or a function of the
+    same signature scored beside them (unweighted); None: the weighted reward (evaluate.py)."""
 
     def __post_init__(self):
         columns = self.columns()
@@ -131,6 +137,17 @@ class DatasetSource:
             raise ValueError(f"column {self.prompt!r} holds {type(first).__name__}; it must hold text or chat "
                              "messages (a list of {'role', 'content'} dicts)")
         self._perms: dict[tuple[int, int], list[int]] = {}
+        self.success_func = self._success_func()
+
+    def _success_func(self) -> Callable | None:
+        """The function `success` names (one of reward_funcs by name, or a callable)."""
+        if self.success is None or callable(self.success):
+            return self.success
+        by_name = {_name(f): f for f in self.reward_funcs}
+        if self.success not in by_name:
+            raise ValueError(f"success={self.success!r} names no reward function; the reward functions are: "
+                             f"{', '.join(map(repr, by_name))}. Try: success=<one of them> or a function.")
+        return by_name[self.success]
 
     # ---- rows ----------------------------------------------------------------------------------
     def columns(self) -> list[str]:
@@ -175,7 +192,7 @@ class DatasetSource:
         if not self.splits[name]:
             raise ValueError(f"split {name!r} has no rows (give Task.from_dataset eval_fraction= or eval_rows=)")
         return DatasetSource(self.rows, self.prompt, self.reward_funcs, self.reward_weights, self.system_prompt,
-                             splits=self.splits, indices=list(self.splits[name]))
+                             splits=self.splits, indices=list(self.splits[name]), success=self.success)
 
     # ---- seeds → rows --------------------------------------------------------------------------
     def group_seeds(self, run_seed: int, step: int, count: int) -> list[int]:
@@ -203,8 +220,10 @@ class DatasetSource:
     async def score_group(self, envs: Sequence[DatasetEnv], trajectories: Sequence,
                           timeout_s: float | None = DEFAULT_TIMEOUT_S) -> list[float | None]:
         """One call of each reward function for the group, each within `timeout_s` (task_code.py);
-        the weighted sum per sample (None when no function gave a value). Raises
-        RewardFunctionError naming the function that failed or did not return."""
+        the weighted sum per sample (None when no function gave a value). Each function's own value
+        goes on the trajectory (`reward_parts`) and the env, the success function's on
+        `trajectory.success`. Raises RewardFunctionError naming the function that failed or did not
+        return."""
         rows = [self.row(e.row) for e in envs]
         prompts = [r[self.prompt] for r in rows]
         texts = [next((m["content"] for m in reversed(t.messages) if m.get("role") == "assistant"), "")
@@ -214,25 +233,19 @@ class DatasetSource:
         self.state.epoch = envs[0].epoch if envs else self.state.epoch
         kwargs = {k: [r.get(k) for r in rows] for k in rows[0] if k != self.prompt and k not in _NOT_COLUMNS}
         kwargs.update(trainer_state=self.state, log_extra=self._log_extra, log_metric=self._log_metric)
-        per_func = []
-        for fn in self.reward_funcs:
-            call = functools.partial(fn, prompts=prompts, completions=completions, completion_ids=ids, **kwargs)
-            try:
-                out = await call_task_code(call, what=f"reward function {_name(fn)!r}", timeout_s=timeout_s)
-            except TaskCodeError as e:
-                raise RewardFunctionError(str(e)) from e.__cause__
-            try:
-                out = list(out)
-            except TypeError as e:
-                raise RewardFunctionError(f"reward function {_name(fn)!r} returned {type(out).__name__}, not a list "
-                                          "of rewards (one float or None per completion)") from e
-            if len(out) != len(prompts):
-                raise RewardFunctionError(f"reward function {_name(fn)!r} returned {len(out)} rewards for "
-                                          f"{len(prompts)} completions (one per completion expected)")
-            per_func.append([_finite_or_none(r) for r in out])
+        score = functools.partial(_score_one, prompts=prompts, completions=completions, completion_ids=ids,
+                                  timeout_s=timeout_s, **kwargs)
+        per_func = [await score(fn) for fn in self.reward_funcs]
+        success = None
+        if self.success_func is not None:
+            known = [i for i, fn in enumerate(self.reward_funcs) if fn is self.success_func]
+            success = per_func[known[0]] if known else await score(self.success_func)
         rewards = []
         for j, env in enumerate(envs):
             env.reward_parts = {_name(fn): vals[j] for fn, vals in zip(self.reward_funcs, per_func)}
+            if j < len(trajectories):
+                trajectories[j].reward_parts = dict(env.reward_parts)
+                trajectories[j].success = success[j] if success is not None else None
             parts = [w * vals[j] for w, vals in zip(self.weights, per_func) if vals[j] is not None]
             rewards.append(sum(parts) if parts else None)
         return rewards
@@ -247,7 +260,7 @@ class DatasetSource:
         kwargs = {k: [row.get(k)] for k in row if k != self.prompt and k not in _NOT_COLUMNS}
         kwargs.update(prompts=[row[self.prompt]], completions=[completion], completion_ids=[[0, 1, 2, 3]],
                       trainer_state=RewardState(), log_extra=lambda *a: None, log_metric=lambda *a: None)
-        for fn in self.reward_funcs:
+        for fn in [*self.reward_funcs, *([self.success_func] if callable(self.success) else [])]:
             _check_signature(fn, kwargs)
             if dry_run and not (inspect.iscoroutinefunction(fn)
                                 or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
@@ -258,6 +271,24 @@ class DatasetSource:
 
     def _log_extra(self, column: str, values) -> None:
         self.logged.setdefault(column, []).extend(list(values))
+
+
+async def _score_one(fn, *, prompts, timeout_s, **kwargs) -> list[float | None]:
+    """One reward function's values for a group (finite floats or None), within `timeout_s`."""
+    call = functools.partial(fn, prompts=prompts, **kwargs)
+    try:
+        out = await call_task_code(call, what=f"reward function {_name(fn)!r}", timeout_s=timeout_s)
+    except TaskCodeError as e:
+        raise RewardFunctionError(str(e)) from e.__cause__
+    try:
+        out = list(out)
+    except TypeError as e:
+        raise RewardFunctionError(f"reward function {_name(fn)!r} returned {type(out).__name__}, not a list "
+                                  "of rewards (one float or None per completion)") from e
+    if len(out) != len(prompts):
+        raise RewardFunctionError(f"reward function {_name(fn)!r} returned {len(out)} rewards for "
+                                  f"{len(prompts)} completions (one per completion expected)")
+    return [_finite_or_none(r) for r in out]
 
 
 def _check_signature(fn, kwargs: dict) -> None:

@@ -92,7 +92,7 @@ class Task:
                      reward_weights: Sequence[float] | None = None, system_prompt: str | None = None,
                      max_new_tokens: int = 256, name: str = "dataset", description: str | None = None,
                      eval_fraction: float = 0.0, eval_rows: Sequence[int] | None = None, split_seed: int = 0,
-                     dry_run: bool = True) -> "Task":
+                     dry_run: bool = True, success: Callable | str | None = None) -> "Task":
         """A single-turn task over `rows` (a list of dicts or a `datasets.Dataset`), as TRL's
         GRPOTrainer takes one: `prompt` names the column holding text or chat messages (a list of
         {"role", "content"}), `reward_funcs` are TRL reward functions `f(prompts, completions,
@@ -106,9 +106,15 @@ class Task:
         server starts: its signature must take those keywords, and (`dry_run`, for plain
         functions) it is called once on a fake completion of the first training row and must
         return one reward (a number or None); RewardFunctionCheckError names the one that fails.
-        `dry_run=False` skips the call (a function with side effects, or one that is slow)."""
+        `dry_run=False` skips the call (a function with side effects, or one that is slow).
+
+        `success` says what evaluation's pass@k counts as solved: the name of one of `reward_funcs`
+        (e.g. "accuracy") or another function of the same signature (scored beside them, not
+        weighted in); a completion passes when its value is >= 1 (evaluate's success_reward).
+        Without it pass@k compares the weighted sum, which a correct but long answer can miss
+        when a length or format reward is subtracted."""
         funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
-        source = DatasetSource(rows, prompt, funcs, reward_weights, system_prompt)
+        source = DatasetSource(rows, prompt, funcs, reward_weights, system_prompt, success=success)
         source = source.with_split(eval_fraction, eval_rows, split_seed)
         source.check_reward_funcs(dry_run=dry_run)
         names = ", ".join(getattr(f, "__name__", type(f).__name__) for f in source.reward_funcs)

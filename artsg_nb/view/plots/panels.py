@@ -1,7 +1,8 @@
 """One training panel per function: `plot_*(df, ax=None)` draws one family of History columns.
 
 Panels: reward (mean with its distribution: per-sample box plots from the rollouts files when
-given, else a ±1 std band; eval reward when an `eval_reward` column has values), loss, KL,
+given, else a ±1 std band; eval reward when an `eval_reward` column has values), each reward
+function's mean (one line per `rewards/<fn>/mean` column, dataset tasks), loss, KL,
 completion length, generated tokens per second, the step's time split into rollout / train /
 reload (stacked), clip fraction, gradient norm, IS ratio and prefix-cache hit rate.
 `training_panels(df)` picks the ones that say something: KL only when a KL term was computed
@@ -50,6 +51,31 @@ def plot_reward(df: pd.DataFrame, ax: Axes | None = None, samples: pd.DataFrame 
     if has_data(evaluation):
         ok = np.isfinite(evaluation)
         ax.plot(step[ok], evaluation[ok], "s--", color="tab:green", label="eval")
+    ax.legend(loc="lower right", fontsize="x-small")
+    return ax
+
+
+def reward_part_columns(df: pd.DataFrame | None) -> dict[str, str]:
+    """{function name: its `rewards/<fn>/mean` column} for the columns of `df` with values."""
+    if df is None:
+        return {}
+    found = {c[len("rewards/"):-len("/mean")]: c for c in df.columns
+             if isinstance(c, str) and c.startswith("rewards/") and c.endswith("/mean")}
+    return {name: c for name, c in found.items() if has_data(pd.to_numeric(df[c], errors="coerce").to_numpy(float))}
+
+
+def plot_reward_parts(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
+    """Each reward function's mean per step, one line each (history's `rewards/<fn>/mean`, as
+    TRL logs them), before weighting: which part of the reward moves."""
+    ax = axes_for(ax, "reward functions", "mean value")
+    parts = reward_part_columns(df)
+    if not parts:
+        return no_data(ax, "one reward (no reward functions)")
+    step = pd.to_numeric(df["step"], errors="coerce").to_numpy(float)
+    for name, c in parts.items():
+        values = pd.to_numeric(df[c], errors="coerce").to_numpy(float)
+        ok = np.isfinite(values)
+        ax.plot(step[ok], values[ok], marker=".", label=name)
     ax.legend(loc="lower right", fontsize="x-small")
     return ax
 
@@ -236,8 +262,8 @@ def plot_grad_norm(df: pd.DataFrame, ax: Axes | None = None) -> Axes:
 def training_panels(df: pd.DataFrame | None) -> list[str]:
     """The panels worth their space for `df`, in drawing order (names of the plot_* functions
     without the prefix): KL only with a KL term, the IS ratio only when it moved off 1, the clip
-    fraction only when it is not all zeros."""
-    names = ["reward", "loss", "completion_length", "tokens_per_s", "step_times", "hit_rate",
+    fraction only when it is not all zeros, the reward functions only when the rows have them."""
+    names = ["reward", *(["reward_parts"] if reward_part_columns(df) else []), "loss", "completion_length", "tokens_per_s", "step_times", "hit_rate",
              "clip_frac", "grad_norm"]
     _, clipped = column(df, "clip_frac")
     if has_data(clipped) and np.nanmax(np.abs(clipped)) == 0:  # one update per batch: never clipped

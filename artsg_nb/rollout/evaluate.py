@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from ..engines import SamplingParams
+from ..tasks.task_code import DEFAULT_TIMEOUT_S
 from .groups import collect_groups
 from .samples import sample_records, samples_frame
 
@@ -63,7 +64,7 @@ def eval_task_and_seeds(task, split: str, n: int | None, default_n: int) -> tupl
 async def evaluate(client, task, tokenizer, adapter: str | None, *, split: str = "eval", n: int | None = None,
                    k: int = 1, greedy: bool = True, temperature: float = 1.0, max_new_tokens: int | None = None,
                    max_seq_tokens: int = 2048, concurrency: int = 64, success_reward: float = 1.0,
-                   default_n: int = 16) -> EvalResult:
+                   default_n: int = 16, task_timeout_s: float | None = DEFAULT_TIMEOUT_S) -> EvalResult:
     """Play the eval prompts under `adapter` and summarise (module docstring). `greedy` samples at
     temperature 0, so k must be 1 (k greedy samples would be k copies of one)."""
     if greedy and k != 1:
@@ -75,7 +76,8 @@ async def evaluate(client, task, tokenizer, adapter: str | None, *, split: str =
                             temperature=0.0 if greedy else temperature)
     groups = await collect_groups(client, played, tokenizer, seeds, k, params, adapter=adapter,
                                   concurrency=concurrency, schedule="naive" if k == 1 else "prefix",
-                                  max_seq_tokens=max_seq_tokens, sampling_seed_base=EVAL_SAMPLING_SEED)
+                                  max_seq_tokens=max_seq_tokens, sampling_seed_base=EVAL_SAMPLING_SEED,
+                                  task_timeout_s=task_timeout_s)
     by_success = getattr(getattr(played, "source", None), "success", None) is not None
     return EvalResult(summarise(groups, k, success_reward, split, adapter, by_success),
                       samples_frame(sample_records(groups)))

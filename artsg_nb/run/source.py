@@ -75,4 +75,5 @@ class RolloutSource:
         return await evaluate(self.supervisor.client, self.task, self.trainer.tokenizer, self.supervisor.adapter,
                               split=split, n=n, k=k, greedy=greedy, temperature=cfg.temperature,
                               max_new_tokens=cfg.max_new_tokens, max_seq_tokens=cfg.max_seq_tokens,
-                              concurrency=cfg.concurrency, default_n=cfg.eval_n)
+                              concurrency=cfg.concurrency, default_n=cfg.eval_n,
+                              task_timeout_s=cfg.reward_timeout_s or None)

@@ -105,7 +105,8 @@ def save(locator, path: Path) -> None:
             image.resize((MAX_WIDTH_PX, height), Image.LANCZOS).save(path, optimize=True)
     with Image.open(path) as image:
         if image.height > MAX_HEIGHT_PX:
-            image.crop((0, 0, image.width, MAX_HEIGHT_PX)).save(path, optimize=True)
+            image = image.crop((0, 0, image.width, MAX_HEIGHT_PX))
+        image.convert("RGB").quantize(256).save(path, optimize=True)  # a 256-colour palette: a third the bytes
     print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 
 

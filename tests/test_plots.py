@@ -300,6 +300,9 @@ def test_live_training_bar_runs_blue_then_green_or_red(monkeypatch):
     failed = plots.LiveTraining(3)
     failed.finish(ok=False)
     assert 'data-state="failed"' in shown[-1].data and "#c22" in shown[-1].data  # red
+    stopped = plots.LiveTraining(3)
+    stopped.finish(ok=False, state="interrupted")  # the stop button: no error, say so
+    assert 'data-state="interrupted"' in shown[-1].data and "interrupted" in shown[-1].data
 
 
 def test_a_run_without_rollouts_files_falls_back_to_the_history(tmp_path):

@@ -24,6 +24,7 @@ LoRA weights (see grpo.py for the exact loss).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import replace
@@ -308,6 +309,10 @@ class GRPORun:
                     self._dashboard.refresh()
                 if on_step is not None:
                     on_step(row)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            if view is not None:
+                view.finish(ok=False, state="interrupted")
+            raise
         except BaseException:
             if view is not None:
                 view.finish(ok=False)

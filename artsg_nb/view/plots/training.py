@@ -142,8 +142,10 @@ class LiveTraining:
         self.plot.update(df)
         self._show()
 
-    def finish(self, ok: bool) -> None:
-        self._show("done" if ok and self.done >= self.n_steps else "failed" if not ok else "stopped")
+    def finish(self, ok: bool, state: str | None = None) -> None:
+        """End the bar: "done" (every step ran), "failed", "stopped" (fewer steps than asked), or
+        the `state` given (the loop's "interrupted": the stop button, not an error)."""
+        self._show(state or ("done" if ok and self.done >= self.n_steps else "failed" if not ok else "stopped"))
 
     def progress_html(self, state: str = "running") -> str:
         """The bar as HTML: steps done of n, seconds per step, ETA; blue running, green done,
@@ -151,7 +153,7 @@ class LiveTraining:
         elapsed = time.monotonic() - self.t0
         per_step = elapsed / self.done if self.done else None
         eta = per_step * (self.n_steps - self.done) if per_step is not None else None
-        color = {"done": "#2a2", "failed": "#c22", "stopped": "#c22"}.get(state, "#1f77b4")
+        color = {"done": "#2a2", "failed": "#c22", "stopped": "#c22", "interrupted": "#d80"}.get(state, "#1f77b4")
         percent = 100 * self.done / max(self.n_steps, 1)
         timing = (f"{_clock(elapsed)} elapsed · {per_step:.1f} s/step · ETA {_clock(eta)}"
                   if per_step is not None else "first step running…")

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -114,12 +115,17 @@ def weight_bytes(model: str) -> int | None:
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
+    """The release numbers of `version`: each part's leading digits, up to the first part with
+    anything after them ("0.5.2rc2" → (0, 5, 2), never (0, 5, 22): a pre-release of 0.5.2 is
+    not the fixed 0.5.22)."""
     parts = []
     for part in version.split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
+        digits = re.match(r"\d+", part)
+        if digits is None:
             break
-        parts.append(int(digits))
+        parts.append(int(digits.group()))
+        if digits.end() < len(part):
+            break
     return tuple(parts)
 
 

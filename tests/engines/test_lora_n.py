@@ -45,7 +45,7 @@ def recording_client(version: str = "0.5.14", engine: str = "sglang", model: str
 
 
 def test_releases_before_the_fix_are_affected_and_named():
-    for version in ("0.4.10", "0.5.14", "0.5.21", None):
+    for version in ("0.4.10", "0.5.14", "0.5.21", "0.5.2rc2", "0.5.3rc0", "0.5.21.post1", None):
         problem = lora_n_problem({"version": version} if version else {})
         assert problem and "sglang#36894" in problem
 

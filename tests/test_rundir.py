@@ -191,3 +191,16 @@ def test_half_written_adapter_folders_alone_are_no_earlier_run(tmp_path):
     assert not holds_earlier_run(tmp_path)
     (tmp_path / "adapters" / "policy-step-2").mkdir()
     assert holds_earlier_run(tmp_path)
+
+
+def test_a_fresh_start_in_a_folder_the_user_also_keeps_files_in_moves_only_the_run(tmp_path, capsys):
+    """run_dir="." (a notebook's own folder): the run's entries go to the archive; the user's
+    notebooks, data and .git stay where they are (found in review)."""
+    _earlier_run(tmp_path)
+    for name in ("analysis.ipynb", "data.csv"):
+        (tmp_path / name).write_text("mine")
+    (tmp_path / ".git").mkdir()
+    target = archive_earlier_run(tmp_path, stamp="20261207-140000")
+    assert {"analysis.ipynb", "data.csv", ".git"} <= {p.name for p in tmp_path.iterdir()}
+    assert not {"analysis.ipynb", "data.csv", ".git"} & {p.name for p in target.iterdir()}
+    assert {"history.jsonl", "adapters", "rollouts"} <= {p.name for p in target.iterdir()}

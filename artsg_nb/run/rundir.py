@@ -36,11 +36,20 @@ _live_runs: "weakref.WeakValueDictionary[Path, object]" = weakref.WeakValueDicti
 """run_dir (resolved) -> the run this process started on it last (see take_over)."""
 
 
+RUN_ENTRIES = frozenset({"adapters", "rollouts", "checkpoints", "config.json", "history.jsonl", "training.png",
+                         "tensorboard", "mlruns", "wandb", "trackio"})
+"""What a run writes into its directory (besides `history.<stamp>.jsonl` set aside by History and an
+executed notebook, `*.executed.ipynb`): what a fresh start moves into the archive."""
+
+
 def stays_in_place(path: Path) -> bool:
-    """Whether `path` (an entry of a run dir) belongs to the directory, not to one run: the
-    archive itself, the lock, the server records and the server/trainer logs (appended to)."""
+    """Whether `path` (an entry of a run dir) stays where it is at a fresh start: everything that
+    is not one run's (RUN_ENTRIES) — the archive itself, the lock, the server records and the
+    server/trainer logs (appended to), and whatever else the user keeps in that folder (a run dir
+    may be a notebook's own folder: its notebooks and data are never moved)."""
     name = path.name
-    return name in (ARCHIVE_DIR, LOCK_FILE) or name.endswith(".server.json") or path.suffix == ".log"
+    return not (name in RUN_ENTRIES or (name.startswith("history.") and name.endswith(".jsonl"))
+                or name.endswith(".executed.ipynb"))
 
 
 def holds_earlier_run(run_dir: str | Path) -> bool:

@@ -424,13 +424,14 @@ def step_row(step: int, adapter: str | None, groups, metrics: dict, *, hit_rate:
              rollout_s: float | None = None, train_s: float | None = None, reload_s: float | None = None,
              probe: dict | None = None, memory: MemoryFields | None = None, restarts: int = 0,
              pipeline: PipelineFields | None = None, eval: EvalFields | None = None,
-             fleet: FleetFields | None = None, kv_tokens: int | None = None) -> StepRow:
+             fleet: FleetFields | None = None, kv_tokens: int | None = None,
+             in_flight: int | None = None) -> StepRow:
     """One step's row: rewards of its trajectory groups, the trainer's metrics, its hit rate and
     seconds, the served-adapter probe, the memory released around the update, restarts, and the
     optional groups."""
     trajs = [t for g in groups for t in g.trajectories]
     mean, std = reward_stats(step, [t.reward for t in trajs if is_valid(t)])
-    reach = reachable_hit_rate(groups, kv_tokens)  # kv_tokens: the server's KV cache size, when known
+    reach = reachable_hit_rate(groups, kv_tokens, in_flight)  # kv_tokens: the server's KV cache, when known
     m, probe = metrics.get, probe or {}
     return StepRow(
         step=step, adapter=adapter, reward_mean=mean, reward_std=std,

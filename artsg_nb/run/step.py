@@ -192,7 +192,7 @@ class GRPOStep:
                             memory=MemoryFields(update.release_s, update.resume_s),
                             restarts=self.supervisor.restarts, pipeline=pipeline, eval=evaluation,
                             fleet=FleetFields(**stats) if stats else None,
-                            kv_tokens=self.scrape.tracker.kv_tokens).as_dict()
+                            kv_tokens=self.scrape.tracker.kv_tokens, in_flight=self.cfg.concurrency).as_dict()
         except Exception as e:  # noqa: BLE001 — the step is done: its row is written whatever a statistic does
             log.warning("step %d: its row's statistics could not be computed (%s: %s); written without them",
                         rollouts.step, type(e).__name__, e)

@@ -286,11 +286,13 @@ _FIRST_TURN_PATHS = {"warm-up first": "warm-up first", "prefilled together": "pr
                      "after first copy": "in order"}
 
 
-def reachable_hit_rate(groups: Sequence, kv_tokens: int | None = None) -> ReachableHitRate:
+def reachable_hit_rate(groups: Sequence, kv_tokens: int | None = None, in_flight: int | None = None) -> ReachableHitRate:
     """The hit rate the step's submission path can reach, from the `reusable_tokens` each request
     recorded (rollout.groups), the path's name, and the cross-group share beside it. With the
     server's KV cache size `kv_tokens`, a step whose sequences need more than it at once is marked
-    `kv_short` (path ", KV short"): the path's rate is then only an upper bound."""
+    `kv_short` (path ", KV short"): the path's rate is then only an upper bound. What a step needs
+    at once counts each group's prompt once (the radix cache holds it once) and its completions,
+    over at most the `in_flight` largest groups (RunConfig.concurrency)."""
     prompt = reusable = shared = 0
     paths: dict[str, int] = {}
     exact, later_turns = True, False
@@ -313,15 +315,26 @@ def reachable_hit_rate(groups: Sequence, kv_tokens: int | None = None) -> Reacha
                 opening = tuple(traj.token_ids[:traj.prompt_len])
                 group_openings.append(opening)
                 beyond = _longest_common_prefix(opening, openings) - stats["reusable_tokens"]
+                if stats["submission"] == "prefilled together" and opening in group_openings[:-1]:
+                    beyond = len(opening)  # a copy that missed its group's batch reads the first's prompt
                 shared += min(max(beyond, 0), max(stats["prompt_tokens"] - 1, 0) - stats["reusable_tokens"])
         openings += list(dict.fromkeys(group_openings))
     path = ", ".join(sorted(paths, key=paths.get, reverse=True)) or "no shared prompts"
     path += " + own history" if later_turns else ""
-    need = sum(len(t.token_ids) for g in groups for t in g.trajectories)
+    need = _kv_need(groups, in_flight)
     kv_short = (need, kv_tokens) if kv_tokens and need > kv_tokens else None
     return ReachableHitRate(rate=reusable / prompt if prompt else None, path=path + (", KV short" if kv_short else ""),
                             shared=shared / prompt if prompt else 0.0, exact=exact and not kv_short,
                             kv_short=kv_short)
+
+
+def _kv_need(groups: Sequence, in_flight: int | None) -> int:
+    """Tokens of KV the step's largest `in_flight` groups hold at once: each group's prompt once,
+    and every member's tokens after it."""
+    per_group = sorted((max((t.prompt_len for t in g.trajectories), default=0)
+                        + sum(max(len(t.token_ids) - t.prompt_len, 0) for t in g.trajectories)
+                        for g in groups), reverse=True)
+    return sum(per_group[:in_flight] if in_flight else per_group)
 
 
 def _longest_common_prefix(ids: tuple[int, ...], others: list[tuple[int, ...]]) -> int:

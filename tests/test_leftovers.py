@@ -148,7 +148,10 @@ def test_the_watcher_does_not_take_the_kernel_that_kept_the_server_for_its_adopt
     server = start_server(ServerConfig(engine="cpu", model_path="fake", run_dir=str(tmp_path / "run"),
                                        _command_override=(sys.executable, str(engine), "--host", "{host}",
                                                           "--port", "{port}")))
-    kept = replace(server.record, keep_until=time.time() + 0.3)  # kept by this (live) process
-    kept.save()
-    assert leftovers.expire(kept.global_path, poll_s=0.05) == "stopped"
-    assert not procs.is_running(server.pid, None)
+    try:
+        kept = replace(server.record, keep_until=time.time() + 0.3)  # kept by this (live) process
+        kept.save()
+        assert leftovers.expire(kept.global_path, poll_s=0.05) == "stopped"
+        assert not procs.is_running(server.pid, None)
+    finally:
+        server.stop()  # this process's bookkeeping (server._LIVE): the watcher stopped the process

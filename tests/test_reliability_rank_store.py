@@ -47,6 +47,8 @@ def refuse(*args, **kwargs):
 
 @pytest.fixture
 def ranked(tiny_model_dir, tmp_path):
+    if dist.is_initialized():  # a process group another test of this pytest process left behind
+        dist.destroy_process_group()
     trainer = RankedTrainer(TrainerConfig(model_path=str(tiny_model_dir), lora_rank=4, lora_alpha=8, seed=0), 2, tmp_path)
     yield trainer, tmp_path
     trainer.close()

@@ -23,6 +23,8 @@ from artsg_nb.tasks.registry import Task  # noqa: E402
 from artsg_nb.view.plots import panels  # noqa: E402
 from artsg_nb.view.plots.sample_cards import sample_cards  # noqa: E402
 
+from test_dataset_tasks import ReplyClient  # noqa: E402  (a client that answers without a server)
+
 SHORT, LONG = "2", "The answer is 2, because one plus one is two, as everyone knows."
 
 
@@ -31,22 +33,6 @@ class Params:
     max_new_tokens: int = 64
     temperature: float = 1.0
     n: int = 1
-
-
-class ReplyClient:
-    """Answers request i (sample k of it) with replies[(i + k) % len]; no server."""
-
-    def __init__(self, tokenizer, replies):
-        self.tok, self.replies, self.calls = tokenizer, replies, 0
-
-    async def generate(self, input_ids, params, adapter=None, on_first_token=None):
-        i, self.calls = self.calls, self.calls + 1
-        out = []
-        for k in range(params.n):
-            ids = self.tok.encode(self.replies[(i + k) % len(self.replies)], add_special_tokens=False)
-            ids = ids[: params.max_new_tokens]
-            out.append(Generation(ids, [-0.5] * len(ids), len(input_ids), 0, "stop", self.tok.decode(ids), e2e_s=0.0))
-        return out
 
 
 def accuracy(prompts, completions, answer, **kw):

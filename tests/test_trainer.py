@@ -287,3 +287,18 @@ def test_trls_fused_kernel_on_the_gpu_agrees_with_the_logits_and_trains_alike(ti
     d_plain = torch.cat([(p - s0).flatten().float() for p, s0 in zip(lora(plain), start)])
     d_fused = torch.cat([(p - s0).flatten().float() for p, s0 in zip(lora(fused), start)])
     assert d_plain.norm() > 0 and (d_fused - d_plain).norm() / d_plain.norm() < 0.1
+
+
+def test_a_slow_update_is_reported_with_where_its_time_went(make_trainer, monkeypatch, caplog):
+    """Each update's split is kept (Trainer.last_update); one well above the run's median is logged
+    with it (update_timing.py), so a step that swings says why."""
+    import logging
+    from artsg_nb.rl import update_timing
+    tr = make_trainer()
+    tr.train_step(_groups())
+    assert tr.last_update is not None and tr.last_update.wall_s > 0 and tr.last_update.thread_cpu_s > 0
+    monkeypatch.setattr(update_timing, "SLOW_MIN_S", 0.0)
+    tr._slow_updates.walls = [1e-6] * 3  # a run whose updates took a microsecond: this one stands out
+    with caplog.at_level(logging.WARNING, logger="artsg_nb.rl.trainer"):
+        tr.train_step(_groups())
+    assert "the run's median update" in caplog.text and "this thread's CPU" in caplog.text

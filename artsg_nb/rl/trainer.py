@@ -40,6 +40,7 @@ from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, pol
 from .logprobs import fusable, fused_kernel, text_config, token_logprobs
 from .step_stats import StepStats, batch_counts, is_ratio_stats
 from .tensor_io import HostStaging, host_copies
+from .update_timing import SlowUpdates, UpdateTimer, UpdateTiming
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,9 @@ class Trainer:
         self._adapter_views: tuple[tuple[int, ...], dict] | None = None  # _adapter_state's (data_ptrs, state dict)
         self._adapter_staging = HostStaging()  # save_adapter's CPU copy, reused from step to step
         log.info("trainer on %s (%s), %d trainable tensors", self.device, self.backend, len(self.trainable))
+        self.last_update: UpdateTiming | None = None
+        """Where the latest train_step's seconds went (update_timing.py)."""
+        self._slow_updates = SlowUpdates()
         self.warm_up_s = self.warm_up() if cfg.warm_up else None
         """Seconds `warm_up` took when the trainer was built (None: TrainerConfig.warm_up off)."""
 
@@ -183,6 +187,16 @@ class Trainer:
         """Advantages → loss → one optimizer step over all valid trajectories of `groups`. Out of
         GPU memory, the gradients are dropped and the update redone in micro-batches of half the
         tokens (down to GPU_MICRO_BATCH_TOKENS[0]); later updates stay below that budget."""
+        with UpdateTimer(self.device) as timer:
+            result = self._train_step(groups, timer)
+        self.last_update = timer.timing
+        multiple = self._slow_updates.slow(timer.timing)
+        if multiple is not None:
+            log.warning("trainer: update %d took %.0fx the run's median update, %s", self.step, multiple,
+                        timer.timing.why())
+        return result
+
+    def _train_step(self, groups, timer: UpdateTimer) -> dict:
         batch = self.make_batch(groups)
         while True:
             budget = None
@@ -200,6 +214,8 @@ class Trainer:
             self._oom_budget = budget
             log.warning("trainer: out of GPU memory with micro-batches of %d tokens; redoing the update with "
                         "%d (set micro_batch_tokens to choose)", budget, self.micro_batch_tokens())
+        with timer.checkpoint_wait():
+            self.checkpoints.wait_taken()
         return {**stats.result(), "grad_norm": self.optimizer_step(), **batch_counts(batch),
                 "micro_batch_tokens": budget}
 

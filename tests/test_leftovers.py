@@ -154,4 +154,4 @@ def test_the_watcher_does_not_take_the_kernel_that_kept_the_server_for_its_adopt
         assert leftovers.expire(kept.global_path, poll_s=0.05) == "stopped"
         assert not procs.is_running(server.pid, None)
     finally:
-        server.stop()  # this process's bookkeeping (server._LIVE): the watcher stopped the process
+        server.stop()  # this process's bookkeeping (server.live_servers()): the watcher stopped the process

@@ -91,7 +91,7 @@ def state_dir(tmp_path_factory):
     old = os.environ.get(procs.STATE_DIR_VAR)
     os.environ[procs.STATE_DIR_VAR] = str(path)
     yield path
-    leaks = [s for s in list(server._LIVE)]
+    leaks = server.live_servers()
     server.stop_all()
     children = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     records = list(path.glob("*.json"))
@@ -181,7 +181,7 @@ def test_timeout_raises_not_ready_and_stops(fake_engine, tmp_path):
     assert time.monotonic() - t0 < 10
     assert "no /health on 127.0.0.1:" in str(err.value) and "after 3 s" in str(err.value)
     assert "fake engine starting" in str(err.value)
-    assert not server._LIVE
+    assert not server.live_servers()
 
 
 def test_given_port_busy_raises_before_launch(fake_engine, tmp_path):

@@ -24,23 +24,20 @@ the toolkit loads every adapter version on each worker directly and scrapes each
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import re
-import signal
 import sys
-import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
-import psutil
+import httpx
 
 from ..engines.spec import key_launcher
 from ..files import log_tail
-from . import procs
+from . import managed, procs
+from .managed import ManagedProcess
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +82,9 @@ def build_router_command(worker_urls: Sequence[str], port: int, metrics_port: in
 
 
 @dataclass(eq=False)  # identity, so that a set can hold it
-class Router:
-    """One router process in front of `workers`. Use `start_router` to get a started one."""
+class Router(ManagedProcess):
+    """One router process in front of `workers`. Use `start_router` to get a started one. Its
+    lifecycle (spawn, record, live set, ready-wait, log tail, stop) is managed.ManagedProcess's."""
     workers: list[str]
     run_dir: Path
     policy: str = "cache_aware"
@@ -100,6 +98,11 @@ class Router:
     proc: object = field(default=None, repr=False)
     record: procs.ProcessRecord | None = field(default=None, repr=False)
     _log_offset: int = field(default=0, repr=False)
+    _seen: object = field(default=None, repr=False)  # the last /readiness answer (for the error)
+
+    @property
+    def label(self) -> str:
+        return ENGINE_NAME
 
     @property
     def url(self) -> str:
@@ -114,27 +117,6 @@ class Router:
     def log_path(self) -> Path:
         return Path(self.run_dir).resolve() / f"{ENGINE_NAME}.log"
 
-    def alive(self) -> bool:
-        """Is the router process running? (Not whether it routes: see /readiness.)"""
-        return self.proc is not None and self.proc.poll() is None
-
-    def stopped(self) -> bool:
-        """Is the process stopped (SIGSTOP: alive, routing nothing) or unreadable? (health watchdog)"""
-        try:
-            return self.proc is not None and psutil.Process(self.proc.pid).status() == psutil.STATUS_STOPPED
-        except psutil.Error:
-            return True
-
-    def kill(self) -> None:
-        """SIGKILL the process group (works on a stopped process) and reap it; Fleet.restart starts a new one."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        except (ProcessLookupError, OSError):
-            pass
-
     def start(self) -> "Router":
         """Launch and wait until every worker is healthy behind it; returns self."""
         if self.alive():
@@ -145,32 +127,16 @@ class Router:
         self.metrics_port = procs.pick_free_port(self.host)
         cmd = build_router_command(self.workers, self.port, self.metrics_port, self.policy,
                                    host=self.host, extra_args=self.extra_args, cache_threshold=self.cache_threshold)
-        shown = ["<launcher>" if a == LAUNCHER else a for a in cmd]
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        header = f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: {' '.join(shown)}\n"
         env = {**os.environ, **({API_KEY_ENV: self.api_key} if self.api_key else {})}
-        self.proc = procs.spawn(cmd, env, self.log_path, header)
-        self.record = procs.ProcessRecord.of_child(
-            self.proc.pid, port=self.port, host=self.host, engine=ENGINE_NAME, run_dir=str(self.log_path.parent),
-            log_path=str(self.log_path), config_hash="", command=shown)
-        self.record.save()
-        _LIVE.add(self)
+        self._spawn(cmd, env, port=self.port, host=self.host, engine=ENGINE_NAME,
+                    shown=["<launcher>" if a == LAUNCHER else a for a in cmd])  # no key: never adopted
         try:
-            self._wait_ready()
+            self._seen = None
+            self._poll_ready(self.startup_timeout_s)
         except BaseException:
             self.stop(timeout_s=5)
             raise
         return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the process group, wait up to `timeout_s`, SIGKILL it. Safe to call again."""
-        if self.record is None:
-            return
-        how = procs.stop_group(self.record.pgid, timeout_s, proc=self.proc)
-        log.info("router pid %d stopped (%s)", self.record.pid, how)
-        self.record.remove()
-        self.record = None
-        _LIVE.discard(self)
 
     def log_tail(self, n: int = 20) -> str:
         """The last `n` lines this start wrote to the log."""
@@ -178,39 +144,27 @@ class Router:
         tail = log_tail(self.log_path, n, since=self._log_offset, keep=lambda ln: "uri=/readiness" not in ln)
         return _ANSI.sub("", tail)  # the router colours its log even into a file
 
-    def __enter__(self) -> "Router":
-        return self.start()
+    def _ready(self, http) -> bool:
+        """GET /readiness reports every worker healthy."""
+        try:
+            resp = http.get(f"{self.url}/readiness")
+        except httpx.HTTPError:
+            return False  # not listening yet
+        is_json = resp.headers.get("content-type", "").startswith("application/json")
+        self._seen = resp.json() if is_json else resp.text
+        return resp.status_code == 200 and _healthy(self._seen) >= len(self.workers)
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def _exit_error(self, code: int, elapsed_s: float) -> RouterError:
+        return RouterError(f"the router exited with code {code} {elapsed_s:.1f} s into "
+                           f"start-up on {self.url}. Try: run the command by hand (first line of "
+                           f"the log). Last 20 lines of {self.log_path}:\n{self.log_tail(20)}")
 
-    def _wait_ready(self) -> None:
-        import httpx
-
-        t0, seen = time.monotonic(), None
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        with httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), headers=headers) as http:
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    raise RouterError(f"the router exited with code {code} {time.monotonic() - t0:.1f} s into "
-                                      f"start-up on {self.url}. Try: run the command by hand (first line of "
-                                      f"the log). Last 20 lines of {self.log_path}:\n{self.log_tail(20)}")
-                try:
-                    resp = http.get(f"{self.url}/readiness")
-                    seen = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else resp.text
-                    if resp.status_code == 200 and _healthy(seen) >= len(self.workers):
-                        log.info("router ready on %s after %.1f s: %s", self.url, time.monotonic() - t0, seen)
-                        return
-                except httpx.HTTPError:
-                    pass  # not listening yet
-                if time.monotonic() - t0 > self.startup_timeout_s:
-                    raise RouterError(
-                        f"the router on {self.url} did not see all {len(self.workers)} workers healthy after "
-                        f"{self.startup_timeout_s:.0f} s (last /readiness: {seen}). Try: check each worker "
-                        f"answers GET /health ({', '.join(self.workers)}), and that api_key matches theirs. "
-                        f"Last 20 lines of {self.log_path}:\n{self.log_tail(20)}")
-                time.sleep(0.25)
+    def _not_ready_error(self, timeout_s: float) -> RouterError:
+        return RouterError(
+            f"the router on {self.url} did not see all {len(self.workers)} workers healthy after "
+            f"{timeout_s:.0f} s (last /readiness: {self._seen}). Try: check each worker "
+            f"answers GET /health ({', '.join(self.workers)}), and that api_key matches theirs. "
+            f"Last 20 lines of {self.log_path}:\n{self.log_tail(20)}")
 
 
 def _healthy(readiness) -> int:
@@ -218,7 +172,6 @@ def _healthy(readiness) -> int:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_LIVE: set[Router] = set()
 
 
 def start_router(worker_urls: Sequence[str], run_dir: str | os.PathLike, policy: str = "cache_aware",
@@ -236,9 +189,4 @@ def start_router(worker_urls: Sequence[str], run_dir: str | os.PathLike, policy:
 
 def stop_all() -> None:
     """Stop every router this process started."""
-    for router in list(_LIVE):
-        if router.record is not None and router.record.owner_pid == os.getpid():  # not in a fork
-            router.stop(timeout_s=5)
-
-
-atexit.register(stop_all)
+    managed.stop_all(Router)

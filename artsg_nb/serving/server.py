@@ -26,7 +26,6 @@ server started with `enable_memory_saver=True`) — those are client calls.
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import logging
 import os
@@ -35,21 +34,19 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 
 import httpx
-import psutil
 from tqdm.auto import tqdm
 
-from ..files import log_tail
 from .. import engines
-from . import gpus, leftovers, procs
+from . import gpus, leftovers, managed, procs
 from ..engines import EngineClient
 from .procs import reap_orphans  # noqa: F401  (public here too)
 from .server_config import (TARGET_MODULES, ModelPathError, ServerConfig, ServerError, ignored_options,
                             server_url, build_command, build_env, check_model_path, config_hash, CLIENT_OPTIONS,
                             resolve_api_key, with_env_args)
+from .managed import ManagedProcess
 from .server_env import ServerEnv, find_server_env
 
 log = logging.getLogger(__name__)
@@ -85,10 +82,11 @@ class PortInUseError(ServerStartError):
     started (a lost race), or the server's own bind failed (in its log)."""
 
 
-class Server:
+class Server(ManagedProcess):
     """One server process: `start()`, `stop()`, `restart()`, `alive()`, `log_tail()`, `client()`.
 
-    A context manager: `with start_server(cfg) as server: ...` stops it on exit.
+    A context manager: `with start_server(cfg) as server: ...` stops it on exit. The process's
+    lifecycle (spawn, record, live set, ready-wait, log tail, stop) is managed.ManagedProcess's.
     """
 
     def __init__(self, config: ServerConfig, api_key: str | None = None):
@@ -105,10 +103,11 @@ class Server:
         self.log_path = Path(config.run_dir).resolve() / f"{config.engine}.log"
         self.config_hash = config_hash(config)
         self._log_offset = 0
+        self._listener: str | None = None
 
     @property
-    def pid(self) -> int | None:
-        return self.record.pid if self.record is not None else None
+    def label(self) -> str:
+        return f"{self.config.engine} server"
 
     @property
     def adopted(self) -> bool:
@@ -118,32 +117,6 @@ class Server:
     @property
     def url(self) -> str:
         return server_url(self.config.host, self.port)
-
-    def alive(self) -> bool:
-        """Is the server process running? (Not whether it answers: see client.health.)"""
-        if self.proc is not None:
-            return self.proc.poll() is None
-        return self.record is not None and self.record.server_alive()
-
-    def stopped(self) -> bool:
-        """Is the process stopped (SIGSTOP: alive, never answering) or unreadable?"""
-        try:
-            return psutil.Process(self.pid).status() == psutil.STATUS_STOPPED
-        except psutil.Error:
-            return True
-
-    def kill(self) -> None:
-        """SIGKILL the process group (works on a stopped process, where SIGTERM would wait for a
-        SIGCONT), then reap it; the restart logic starts a new one."""
-        try:
-            os.killpg(os.getpgid(self.pid), signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        try:
-            if self.proc is not None:
-                self.proc.wait(timeout=30)
-        except Exception as e:  # noqa: BLE001 — the restart logic reaps it anyway
-            log.warning("server pid %s not reaped after SIGKILL: %s", self.pid, e)
 
     def start(self, reap: bool = True) -> "Server":
         """Adopt the dead kernel's server of this config, or launch and wait for /health;
@@ -181,16 +154,6 @@ class Server:
                 raise
         raise AssertionError("unreachable")
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the process group, wait up to `timeout_s`, SIGKILL it. Safe to call again."""
-        if self.record is None:
-            return
-        how = procs.stop_group(self.record.pgid, timeout_s, proc=self.proc)
-        log.info("%s server pid %d stopped (%s)", self.config.engine, self.record.pid, how)
-        self.record.remove()
-        self.record = None
-        _LIVE.discard(self)
-
     def restart(self) -> "Server":
         """Stop and start again with the same config (and the same port when it is free)."""
         self.stop()
@@ -202,10 +165,6 @@ class Server:
                                    admin_timeout_s=self.config.admin_timeout_s,
                                    prompt_warm_up=self.config.prompt_warm_up)
 
-    def log_tail(self, n: int = 20) -> str:
-        """The last `n` lines this start wrote to the log."""
-        return log_tail(self.log_path, n, since=self._log_offset)
-
     def drop_dead(self) -> bool:
         """A fleet's way on without its dead workers (serving.inference): one server has none."""
         return False
@@ -214,11 +173,14 @@ class Server:
         """A fleet's per-worker columns (serving.inference): one server has none."""
         return {}
 
-    def __enter__(self) -> "Server":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def at_exit(self) -> None:
+        """A clean exit (a kernel restart) keeps the server for the next kernel to adopt, for
+        leftovers.exit_grace_s() (then a watcher stops it); with a grace of 0 it stops now."""
+        grace = leftovers.exit_grace_s()
+        if grace > 0 and self.alive():
+            self.record = leftovers.keep_for_next_kernel(self.record, grace)
+        else:
+            self.stop(timeout_s=5)
 
     def __repr__(self) -> str:
         state = f"pid {self.pid}, up" if self.alive() else "stopped"
@@ -260,15 +222,8 @@ class Server:
     def _launch(self) -> None:
         cfg = self._launch_config()
         cmd = build_command(cfg, self.server_env.python, self.port)
-        env = build_env(cfg, self.server_env.extra_env, self.api_key)
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        header = f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: {' '.join(cmd)}\n"
-        self.proc = procs.spawn(cmd, env, self.log_path, header)
-        self.record = procs.ProcessRecord.of_child(
-            self.proc.pid, port=self.port, host=cfg.host, engine=cfg.engine, run_dir=str(self.log_path.parent),
-            log_path=str(self.log_path), config_hash=self.config_hash, command=cmd, api_key=self.api_key)
-        self.record.save()
-        _LIVE.add(self)
+        self._spawn(cmd, build_env(cfg, self.server_env.extra_env, self.api_key), port=self.port, host=cfg.host,
+                    engine=cfg.engine, config_hash=self.config_hash, record_key=self.api_key)
         log.info("started %s (%s %s) pid %d on %s, log %s", cfg.engine, self.server_env.python,
                  self.server_env.version, self.proc.pid, self.url, self.log_path)
 
@@ -278,40 +233,36 @@ class Server:
         key. Another process on the port (a second notebook that won the race for it, or any
         local user) is never probed, so it never receives the key, and it ends the wait with
         PortInUseError naming the port."""
-        cfg, t0 = self.config, time.monotonic()
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        cfg = self.config
         bar = tqdm(total=round(cfg.timeout_s), desc=f"{cfg.engine} starting on {self.url}",
                    unit="s", leave=True, bar_format="{desc}: {n:.0f}/{total} s")
-        listener = None
-        with bar, httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0), headers=headers) as http:
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    _end_bar(bar, ok=False)
-                    raise self._exit_error(code, time.monotonic() - t0)
-                if listener != "ours":  # once it listens, the port is its own while it lives (polled above)
-                    listener = procs.listener_of(self.proc.pid, cfg.host, self.port)
-                if listener == "foreign":
-                    _end_bar(bar, ok=False)
-                    raise self._port_taken_error(time.monotonic() - t0)
-                # None: this OS hides sockets' owners; the process being alive and its key
-                # accepted are then all there is to go on.
-                if listener in ("ours", None) and self._answers(http):
-                    log.info("%s ready on %s after %.1f s", cfg.engine, self.url, time.monotonic() - t0)
-                    _end_bar(bar, ok=True)
-                    return
-                elapsed = time.monotonic() - t0
-                if elapsed > cfg.timeout_s:
-                    _end_bar(bar, ok=False)
-                    tail = self.log_tail(20)
-                    self.stop()
-                    raise ServerNotReady(
-                        f"no /health on {cfg.host}:{self.port} after {cfg.timeout_s:.0f} s; the "
-                        f"{cfg.engine} process (still running) was stopped. Try: a larger "
-                        f"startup_timeout_s (a first start compiles kernels), or read the log. "
-                        f"Last 20 lines of {self.log_path}:\n{tail}")
-                bar.update(min(round(elapsed), bar.total) - bar.n)
-                time.sleep(0.25)
+        self._listener, self._started_at = None, time.monotonic()
+        with bar:
+            try:
+                self._poll_ready(cfg.timeout_s, tick=lambda s: bar.update(min(round(s), bar.total) - bar.n))
+            except BaseException:
+                _end_bar(bar, ok=False)
+                raise
+            _end_bar(bar, ok=True)
+
+    def _ready(self, http: httpx.Client) -> bool:
+        """Its own socket listens on the port and it answers with this start's key."""
+        if self._listener != "ours":  # once it listens, the port is its own while it lives (polled before)
+            self._listener = procs.listener_of(self.proc.pid, self.config.host, self.port)
+        if self._listener == "foreign":
+            raise self._port_taken_error(time.monotonic() - self._started_at)
+        # None: this OS hides sockets' owners; the process being alive and its key
+        # accepted are then all there is to go on.
+        return self._listener in ("ours", None) and self._answers(http)
+
+    def _not_ready_error(self, timeout_s: float) -> ServerNotReady:
+        cfg, tail = self.config, self.log_tail(20)
+        self.stop()
+        return ServerNotReady(
+            f"no /health on {cfg.host}:{self.port} after {timeout_s:.0f} s; the "
+            f"{cfg.engine} process (still running) was stopped. Try: a larger "
+            f"startup_timeout_s (a first start compiles kernels), or read the log. "
+            f"Last 20 lines of {self.log_path}:\n{tail}")
 
     def _answers(self, http: httpx.Client) -> bool:
         """/health and the engine's authenticated route both 200 with this start's key. A server
@@ -395,11 +346,8 @@ class Server:
             log.warning("not adopting the %s server pid %d on port %d: it does not answer, or its "
                         "recorded key is refused", rec.engine, rec.pid, rec.port)
             return False
-        self.port, self.api_key, self.proc = rec.port, rec.api_key, None
-        self.record = replace(rec, owner_pid=os.getpid(), owner_create_time=procs.create_time(os.getpid()) or 0.0)
-        self.record.save()
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        _LIVE.add(self)
+        self.port, self.api_key = rec.port, rec.api_key
+        self._own(replace(rec, owner_pid=os.getpid(), owner_create_time=procs.create_time(os.getpid()) or 0.0))
         log.info("adopted the %s server pid %d on %s that a dead kernel (pid %d) started",
                  rec.engine, rec.pid, self.url, rec.owner_pid)
         if reap:
@@ -408,7 +356,6 @@ class Server:
 
 
 _REGISTRY: dict[tuple[str, str], Server] = {}   # (run_dir, engine) → the server start_server gave
-_LIVE: set[Server] = set()                       # started by this process, stopped at exit
 
 
 def start_server(cfg: ServerConfig | None = None, **overrides) -> Server:
@@ -464,25 +411,12 @@ def start_while(start_server, work):
 
 def stop_all() -> None:
     """Stop every server this process started."""
-    for server in list(_LIVE):
-        if server.record is not None and server.record.owner_pid == os.getpid():  # not in a fork
-            server.stop(timeout_s=5)
+    managed.stop_all(Server)
 
 
-def _at_exit() -> None:
-    """A clean exit (a kernel restart) keeps this process's servers for the next kernel to adopt,
-    for leftovers.exit_grace_s() (then a watcher stops them); with a grace of 0 they stop now."""
-    grace = leftovers.exit_grace_s()
-    for server in list(_LIVE):
-        if server.record is None or server.record.owner_pid != os.getpid():  # not in a fork
-            continue
-        if grace > 0 and server.alive():
-            server.record = leftovers.keep_for_next_kernel(server.record, grace)
-        else:
-            server.stop(timeout_s=5)
-
-
-atexit.register(_at_exit)
+def live_servers() -> list[Server]:
+    """The servers this process started or adopted and has not stopped."""
+    return managed.live(Server)
 
 
 def _end_bar(bar, ok: bool) -> None:

@@ -624,7 +624,7 @@ def test_a_start_reaps_orphans_before_it_reads_the_free_memory(monkeypatch, tmp_
     monkeypatch.setattr(server, "reap_orphans", lambda: events.append("reap") or [])
     monkeypatch.setattr(gpus, "launch_mem_fraction", lambda share, ids: events.append("read free memory") or share)
     monkeypatch.setattr(server, "check_model_path", lambda path: None)
-    monkeypatch.setattr(server, "find_server_env", lambda engine, python: ServerEnv(sys.executable, engine, "test", {}, "test"))
+    monkeypatch.setattr(server, "find_server_env", lambda spec, python: ServerEnv(sys.executable, spec.name, "test", {}, "test"))
     monkeypatch.setattr(server.Server, "_launch", launch)
     total = 143771.0
     plan = plan_gpus([GpuInfo(0, "NVIDIA H200", "GPU-0", total, 512.0)], prefer="colocated")

@@ -105,7 +105,7 @@ def test_bare_name_is_looked_up_on_path(tmp_path, monkeypatch):
 
 def test_import_check_times_out(tmp_path):
     slow = fake_python(tmp_path / "slow" / "python", "sleep 5; echo 1")
-    ok, why = server_env.check_engine(slow, "sglang", timeout_s=0.3)
+    ok, why = server_env.check_engine(slow, engines.get("sglang"), timeout_s=0.3)
     assert not ok and "took more than" in why
 
 
@@ -129,15 +129,15 @@ def test_offline_bundle_pythonpath_goes_to_the_server_only(tmp_path, monkeypatch
 
 def test_child_env_drops_the_kernels_pythonpath_for_other_interpreters(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/kernel/site")
-    assert "PYTHONPATH" not in server_env.child_env("sglang", {})
-    assert server_env.child_env("vllm", {"PYTHONPATH": "/b"})["PYTHONPATH"] == "/b"
-    assert server_env.child_env("cpu", {})["PYTHONPATH"] == "/kernel/site"
+    assert "PYTHONPATH" not in server_env.child_env(engines.get("sglang"), {})
+    assert server_env.child_env(engines.get("vllm"), {"PYTHONPATH": "/b"})["PYTHONPATH"] == "/b"
+    assert server_env.child_env(engines.get("cpu"), {})["PYTHONPATH"] == "/kernel/site"
 
 
 def test_bad_env_var_syntax(monkeypatch):
     monkeypatch.setenv("ARTSG_VLLM_ENV", "NOEQUALS")
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        server_env.server_extra_env("vllm")
+        server_env.server_extra_env(engines.get("vllm"))
 
 
 def test_cpu_engine_uses_the_kernels_interpreter():
@@ -156,3 +156,25 @@ def test_roots_walks_up_to_the_project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "proj" / "notebooks")
     roots = server_env._roots()
     assert roots[:2] == [tmp_path / "proj" / "notebooks", tmp_path / "proj"]
+
+
+def test_a_servers_engine_spec_is_carried_from_its_config_not_looked_up_again(tmp_path, monkeypatch):
+    """ServerConfig looks its engine up once; the environment search, the command line, the
+    environment and the client take the spec it carries (they used to look it up by name, ~80
+    times over one start)."""
+    from artsg_nb.serving.server import Server
+    from artsg_nb.serving.server_config import ServerConfig, build_command, build_env, with_env_args
+
+    monkeypatch.delenv("ARTSG_SGLANG_ARGS", raising=False)
+    monkeypatch.delenv("ARTSG_SERVER_PYTHON", raising=False)
+    cfg = ServerConfig("sglang", "org/model", str(tmp_path), port=30000, api_key=None)
+    looked_up = []
+    real_get = engines.get
+    monkeypatch.setattr(engines, "get", lambda name: looked_up.append(name) or real_get(name))
+    server = Server(with_env_args(cfg))
+    build_command(server.config, sys.executable), build_env(server.config, api_key="k")
+    server_env.server_extra_env(cfg.spec), server_env.child_env(cfg.spec, {})
+    with pytest.raises(ServerEnvNotFoundError):
+        server_env.find_server_env(cfg.spec, python=tmp_path / "missing" / "python")
+    assert server.client().engine == "sglang"
+    assert looked_up == []

@@ -39,13 +39,13 @@ def get(name: str) -> EngineSpec:
         raise ValueError(f"unknown engine {name!r}: expected one of {', '.join(map(repr, ENGINES))}") from None
 
 
-def make_client(engine: str, base_url: str, served_model: str, api_key: str | None = None,
+def make_client(engine: str | EngineSpec, base_url: str, served_model: str, api_key: str | None = None,
                 timeout_s: float = 600.0, prompt_warm_up: str = "auto", **kwargs) -> EngineClient:
-    """The client for a running `engine` server at `base_url` serving `served_model`;
-    `prompt_warm_up` ("auto", "always", "never"): see ServerConfig.prompt_warm_up."""
+    """The client for a running `engine` server (its spec, or its name) at `base_url` serving
+    `served_model`; `prompt_warm_up` ("auto", "always", "never"): see ServerConfig.prompt_warm_up."""
     if prompt_warm_up not in PROMPT_WARM_UPS:
         raise ValueError(f"prompt_warm_up={prompt_warm_up!r}: expected one of {', '.join(PROMPT_WARM_UPS)}")
-    spec = get(engine)
+    spec = get(engine) if isinstance(engine, str) else engine
     client = spec.client_class(base_url, served_model, api_key=api_key, timeout_s=timeout_s, **kwargs)
     client.engine = spec.name  # the CPU engine speaks SGLang's dialect under its own name
     client.lora_n_problem = spec.lora_n_problem

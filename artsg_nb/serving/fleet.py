@@ -189,7 +189,7 @@ class Fleet:
         if self.router is None and len(self.servers) == 1 and not self.dropped:
             return self.servers[0].client()
         cfg = self.config
-        front = engines.make_client(cfg.engine, self.url, cfg.model_path, api_key=self.api_key,
+        front = engines.make_client(cfg.spec, self.url, cfg.model_path, api_key=self.api_key,
                                     admin_timeout_s=cfg.admin_timeout_s, prompt_warm_up=cfg.prompt_warm_up)
         workers = [s.client() for s in self.servers]
         front.info_source = workers[0]  # which engine serves the router's requests (sglang.lora_n_problem)
@@ -383,7 +383,7 @@ def fleet_configs(base: ServerConfig, plan) -> list[ServerConfig]:
     whichever worker it picks."""
     configs = []
     for i in range(plan.num_servers):
-        extra, tp_flag = base.extra_args, engines.get(base.engine).tp_flag
+        extra, tp_flag = base.extra_args, base.spec.tp_flag
         if plan.server_tp > 1 and tp_flag:
             extra = (*extra, tp_flag, str(plan.server_tp))
         configs.append(replace(base, run_dir=str(Path(base.run_dir) / "servers" / str(i)),

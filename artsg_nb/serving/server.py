@@ -137,7 +137,7 @@ class Server(ManagedProcess):
         for name in ignored_options(cfg):
             log.warning("%s has no equivalent on engine %r; ignored", name, cfg.engine)
         self.server_env = (ServerEnv(cfg.python or sys.executable, cfg.engine, "test", {}, "override")
-                           if cfg._command_override else find_server_env(cfg.engine, cfg.python))
+                           if cfg._command_override else find_server_env(cfg.spec, cfg.python))
         for attempt in range(3):
             self.port = self._choose_port()
             self._launch()
@@ -161,7 +161,7 @@ class Server(ManagedProcess):
 
     def client(self) -> EngineClient:
         """An async client for this engine (engines.make_client)."""
-        return engines.make_client(self.config.engine, self.url, self.config.model_path, api_key=self.api_key,
+        return engines.make_client(self.config.spec, self.url, self.config.model_path, api_key=self.api_key,
                                    admin_timeout_s=self.config.admin_timeout_s,
                                    prompt_warm_up=self.config.prompt_warm_up)
 

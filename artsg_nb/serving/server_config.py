@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Mapping
 
 from .. import engines
-from ..engines import ENGINES
 from ..engines.base import ADMIN_TIMEOUT_S
 from .server_env import child_env, server_args
 
@@ -108,12 +107,13 @@ class ServerConfig:
     """Tests only: the command to run instead, with {python}, {host}, {port} filled in."""
 
     def __post_init__(self):
+        if self.engine not in engines.ENGINES:
+            raise ValueError(f"engine={self.engine!r}; use one of {', '.join(engines.ENGINES)}")
+        self._spec = engines.get(self.engine)  # looked up once, then carried (`spec`)
         self.model_path = os.fspath(self.model_path)
         self.lora_target_modules = tuple(self.lora_target_modules)
         self.extra_args = tuple(str(a) for a in self.extra_args)
         self.env = dict(self.env)
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine={self.engine!r}; use one of {', '.join(ENGINES)}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank={self.max_lora_rank} must be ≥ 1")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
@@ -130,8 +130,10 @@ class ServerConfig:
 
     @property
     def spec(self) -> engines.EngineSpec:
-        """The engine's launch, environment and metrics facts (engines.get)."""
-        return engines.get(self.engine)
+        """The engine's launch, environment and metrics facts, looked up once when the config is
+        made (engines.get) and carried from there: to the environment search, the command line,
+        the client."""
+        return self._spec
 
     @property
     def timeout_s(self) -> float:
@@ -149,7 +151,7 @@ class ServerConfig:
 def with_env_args(cfg: ServerConfig) -> ServerConfig:
     """`cfg` with extra_args from $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS when it has none (an
     offline GPU bundle's backends); the one place that decides, for GRPORun, bench and tools."""
-    extra = server_args(cfg.engine, cfg.extra_args)
+    extra = server_args(cfg.spec, cfg.extra_args)
     return cfg if extra == cfg.extra_args else replace(cfg, extra_args=extra)
 
 
@@ -188,7 +190,7 @@ def build_env(cfg: ServerConfig, extra_env: Mapping[str, str] | None = None,
     env.update(cfg.spec.server_env)
     env.update(extra_env or {})
     env.update(cfg.env)
-    env = child_env(cfg.engine, env, os.environ if base is None else base)
+    env = child_env(cfg.spec, env, os.environ if base is None else base)
     if cfg.spec.api_key_env:
         env.pop(cfg.spec.api_key_env, None)
         if api_key:

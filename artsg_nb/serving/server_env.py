@@ -1,6 +1,7 @@
 """Find the Python environment a server engine runs in, and check the engine imports there.
 
-What it does: `find_server_env(engine)` looks for the interpreter of the server environment, in
+What it does: `find_server_env(spec)` (an engines.EngineSpec, carried from ServerConfig.spec; or
+an engine's name) looks for the interpreter of the server environment, in
 this order — an explicit `python=` path, an environment variable (`ARTSG_SERVER_PYTHON` for
 sglang, `ARTSG_VLLM_PYTHON` for vllm), a conda env by name (`artsg-server`, `artsg-vllm`; found
 from `$CONDA_PREFIX`/`$CONDA_EXE` paths and `conda info --envs`, never `conda run`), a venv at the
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .. import engines
+from ..engines import EngineSpec
 from . import procs
 
 log = logging.getLogger(__name__)
@@ -67,37 +69,37 @@ class ServerEnv:
     """Where it was found, e.g. "ARTSG_SERVER_PYTHON" or "conda env artsg-server"."""
 
 
-def find_server_env(engine: str, python: str | os.PathLike | None = None,
+def find_server_env(engine: str | EngineSpec, python: str | os.PathLike | None = None,
                     timeout_s: float = 120.0) -> ServerEnv:
-    """The interpreter for `engine`, checked to import it; `ServerEnvNotFoundError` if none does."""
-    engines.get(engine)  # ValueError for an unknown engine
-    extra_env = server_extra_env(engine)
+    """The interpreter for `engine` (its spec, or its name: ValueError for an unknown one), checked
+    to import it; `ServerEnvNotFoundError` if none does."""
+    spec = engines.get(engine) if isinstance(engine, str) else engine
+    extra_env = server_extra_env(spec)
     looked: list[str] = []
-    for source, path, explicit in _candidates(engine, python):
+    for source, path, explicit in _candidates(spec, python):
         if not Path(path).is_file():
             looked.append(f"{source}: {path} (missing)")
             if explicit:
                 break
             continue
-        ok, out = check_engine(path, engine, extra_env, timeout_s)
+        ok, out = check_engine(path, spec, extra_env, timeout_s)
         if ok:
-            log.info("%s %s from %s (%s)", engine, out, path, source)
-            return ServerEnv(str(path), engine, out, extra_env, source)
+            log.info("%s %s from %s (%s)", spec.name, out, path, source)
+            return ServerEnv(str(path), spec.name, out, extra_env, source)
         looked.append(f"{source}: {path} ({out})")
         if explicit:  # a path the user chose is reported, not silently replaced
             break
-    raise ServerEnvNotFoundError(_not_found_message(engine, looked))
+    raise ServerEnvNotFoundError(_not_found_message(spec, looked))
 
 
-def server_args(engine: str, explicit=()) -> tuple[str, ...]:
+def server_args(spec: EngineSpec, explicit=()) -> tuple[str, ...]:
     """Extra server flags: `explicit` when given, else $ARTSG_SGLANG_ARGS / $ARTSG_VLLM_ARGS (e.g.
     the attention/sampling backends an offline GPU bundle needs; tools/gpu/validate.sh sets them)."""
-    return tuple(explicit) or tuple(shlex.split(os.environ.get(engines.get(engine).args_var, "")))
+    return tuple(explicit) or tuple(shlex.split(os.environ.get(spec.args_var, "")))
 
 
-def server_extra_env(engine: str) -> dict[str, str]:
+def server_extra_env(spec: EngineSpec) -> dict[str, str]:
     """PYTHONPATH and variables from ARTSG_*_PYTHONPATH / ARTSG_*_ENV for the server process."""
-    spec = engines.get(engine)
     env: dict[str, str] = {}
     for item in shlex.split(os.environ.get(spec.env_var, "")) if spec.env_var else ():
         key, sep, value = item.partition("=")
@@ -109,12 +111,11 @@ def server_extra_env(engine: str) -> dict[str, str]:
     return env
 
 
-def check_engine(python: str | os.PathLike, engine: str, extra_env: dict[str, str] | None = None,
+def check_engine(python: str | os.PathLike, spec: EngineSpec, extra_env: dict[str, str] | None = None,
                  timeout_s: float = 120.0) -> tuple[bool, str]:
     """Import the engine in `python`: (True, version) or (False, why not)."""
-    spec = engines.get(engine)
     package, entry = spec.package, spec.entry
-    env = child_env(engine, extra_env or {})
+    env = child_env(spec, extra_env or {})
     try:  # own process group, so a timeout also ends whatever the interpreter started
         proc = subprocess.Popen([str(python), "-c", _CHECK, package, entry], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -133,22 +134,21 @@ def check_engine(python: str | os.PathLike, engine: str, extra_env: dict[str, st
     return True, lines[-1] if lines else "unknown"
 
 
-def child_env(engine: str, extra_env: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+def child_env(spec: EngineSpec, extra_env: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
     """`base` (os.environ) for a subprocess of the engine's interpreter: minus what would make
     another interpreter import the kernel's packages, plus `extra_env`."""
     env = dict(os.environ if base is None else base)
     env.pop("PYTHONHOME", None)
-    if engines.get(engine).python_var is not None:  # the CPU engine shares the kernel's packages
+    if spec.python_var is not None:  # the CPU engine shares the kernel's packages
         env.pop("PYTHONPATH", None)
     env.update(extra_env)
     return env
 
 
-def _candidates(engine: str, python) -> list[tuple[str, Path, bool]]:
+def _candidates(spec: EngineSpec, python) -> list[tuple[str, Path, bool]]:
     """(where, interpreter path, explicitly chosen) in search order."""
     if python is not None:
         return [("python argument", _on_path(python), True)]
-    spec = engines.get(engine)
     if spec.python_var is None:
         return [("the kernel's interpreter", Path(sys.executable), True)]
     var = spec.python_var
@@ -218,8 +218,8 @@ def _roots() -> list[Path]:
     return list(dict.fromkeys(roots))
 
 
-def _not_found_message(engine: str, looked: list[str]) -> str:
-    spec = engines.get(engine)
+def _not_found_message(spec: EngineSpec, looked: list[str]) -> str:
+    engine = spec.name
     if spec.create_commands is None:
         return (f"the {engine} engine ({spec.entry}) does not import in "
                 + "; ".join(looked) + ". Try: `pip install -e .` in the kernel's environment.")

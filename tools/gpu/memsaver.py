@@ -118,11 +118,12 @@ def gpu_memory(index: int, server_pid: int | None) -> dict:
 
 
 def preflight(rec: Recorder) -> None:
+    from artsg_nb import engines
     from artsg_nb.serving.server_env import child_env, server_extra_env
 
     python = os.environ.get("ARTSG_SERVER_PYTHON", "python3")
     try:
-        r = subprocess.run([python, "-c", PREFLIGHT, PREFLIGHT_CHILD], env=child_env("sglang", server_extra_env("sglang")),
+        r = subprocess.run([python, "-c", PREFLIGHT, PREFLIGHT_CHILD], env=child_env(engines.get("sglang"), server_extra_env(engines.get("sglang"))),
                            capture_output=True, text=True, timeout=200)
         out = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2000:]}
     except Exception as e:
@@ -134,10 +135,11 @@ def preflight(rec: Recorder) -> None:
 
 
 def make_cfg(a, run_dir: str, release: bool, weights_backup: bool):
+    from artsg_nb import engines
     from artsg_nb.serving.server_env import server_args
     from artsg_nb.run.session import RunConfig
 
-    args = server_args(a.engine)
+    args = server_args(engines.get(a.engine))
     args += ("--enable-weights-cpu-backup",) if weights_backup else ()
     return RunConfig(task="addition", engine=a.engine, model_path=a.model, run_dir=run_dir, group_size=8,
                      groups_per_step=8, release_memory=release, server_args=args, max_restarts=0, seed=1)

@@ -116,11 +116,12 @@ def main():
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    from artsg_nb import engines
     from artsg_nb.serving.server_env import server_args
     from artsg_nb.serving.server import ServerConfig, start_server
 
     results = {"engine": a.engine, "model": a.model}
-    extra = server_args(a.engine)
+    extra = server_args(engines.get(a.engine))
     adir = Path(a.run_dir) / "probe-adapters"
     adapters = {"a": make_adapter(a.model, adir / "a", seed=1), "b": make_adapter(a.model, adir / "b", seed=2)}
     t0 = time.perf_counter()

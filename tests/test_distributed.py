@@ -37,6 +37,24 @@ def _groups(vocab=50):
     return out
 
 
+def test_both_trainers_implement_the_declared_interface_themselves(tiny_model_dir):
+    """A run holds its trainer as an rl.interface.RunTrainer: the one-process Trainer and the
+    RankedTrainer of several ranks have every member of it written out (RankedTrainer forwarded
+    through __getattr__ before)."""
+    from artsg_nb.rl.distributed import RankedTrainer
+    from artsg_nb.rl.interface import TRAINER_MEMBERS, RunTrainer
+
+    assert "__getattr__" not in dir(RankedTrainer)
+    missing = [name for name in TRAINER_MEMBERS if not hasattr(RankedTrainer, name)]  # its properties too
+    assert not missing, missing
+    trainer = Trainer(TrainerConfig(model_path=str(tiny_model_dir), lora_rank=4, lora_alpha=8, warm_up=False))
+    try:
+        assert isinstance(trainer, RunTrainer) and all(hasattr(trainer, name) for name in TRAINER_MEMBERS)
+    finally:
+        trainer.close()
+    assert set(TRAINER_MEMBERS) == {n for n in dir(RunTrainer) if not n.startswith("_")} | set(RunTrainer.__annotations__)
+
+
 def test_shard_covers_every_item_once():
     assert [shard(5, r, 2) for r in range(2)] == [[0, 1, 2], [3, 4]]
     assert sum((shard(7, r, 3) for r in range(3)), []) == list(range(7))

@@ -210,3 +210,19 @@ def test_cpu_engines_have_a_lane_each_and_planless_gpu_workers_share_one(tmp_pat
 
 def h200(i: int) -> GpuInfo:
     return GpuInfo(i, "NVIDIA H200", f"GPU-{i}", 143771.0, 512.0)
+
+
+def test_every_client_implements_the_declared_interface_itself():
+    """A run holds its client as an engines.InferenceClient: each engine's client and the fleet's
+    have every member of it written out (FleetClient forwarded through __getattr__ before)."""
+    from artsg_nb import engines
+    from artsg_nb.engines.interface import CLIENT_MEMBERS, InferenceClient
+
+    clients = [engines.make_client(name, "http://127.0.0.1:1", "m") for name in engines.ENGINES]
+    clients.append(FleetClient(object(), front=clients[0], workers=clients[:1]))
+    for client in clients:
+        assert "__getattr__" not in dir(type(client)), type(client).__name__  # no implicit forwarding
+        missing = [name for name in CLIENT_MEMBERS if not hasattr(client, name)]
+        assert not missing and isinstance(client, InferenceClient), (type(client).__name__, missing)
+    assert set(CLIENT_MEMBERS) == {n for n in dir(InferenceClient) if not n.startswith("_")} | set(
+        InferenceClient.__annotations__)

@@ -5,7 +5,8 @@ dialect), how its server is launched, where its Python environment is found, whi
 counters hold its prefix-cache hit rate; `make_client` builds the client for a running server.
 The engines: "sglang" (production, sglang.py), "vllm" (the baseline, vllm.py) and "cpu" (the CPU
 engine, cpu.py, which speaks SGLang's API). Engine-neutral parts — `EngineClient`,
-`SamplingParams`, `Generation`, the errors, the HTTP/SSE transport — are in base.py and errors.py.
+`SamplingParams`, `Generation`, the errors, the HTTP/SSE transport — are in base.py and errors.py;
+`InferenceClient` (interface.py) declares what a run calls on a client, a fleet's included.
 
 What it does not do: start processes (server.py), find environments (server_env.py) or compute
 hit rates (metrics.py); those read the specs.
@@ -17,6 +18,7 @@ from .base import (DEFAULT_TAGS, MEMORY_TAGS, EngineClient, Generation, Sampling
                    run_sync)
 from .errors import (AdapterExistsError, AdapterRankError, EngineError, MemorySaverError, ServerUnavailableError,
                      UnknownAdapterError)
+from .interface import InferenceClient
 from .sglang import SGLangClient
 from .spec import EngineSpec
 from .vllm import VLLMClient
@@ -25,7 +27,7 @@ _SPECS = {spec.name: spec for spec in (sglang.SPEC, vllm.SPEC, cpu.SPEC)}
 ENGINES = tuple(_SPECS)
 """Engine names: "sglang", "vllm", "cpu"."""
 
-__all__ = ["ENGINES", "get", "make_client", "EngineSpec", "EngineClient", "SGLangClient", "VLLMClient",
+__all__ = ["ENGINES", "get", "make_client", "EngineSpec", "EngineClient", "InferenceClient", "SGLangClient", "VLLMClient",
            "SamplingParams", "Generation", "run_sync", "MEMORY_TAGS", "DEFAULT_TAGS", "memory_tags",
            "EngineError", "AdapterExistsError", "AdapterRankError", "UnknownAdapterError",
            "ServerUnavailableError", "MemorySaverError"]

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ..files import log_tail
 from ..serving import procs
 from .grpo import GRPOConfig
+from .interface import RunTrainer
 from .step_stats import StepStats, batch_counts
 from .trainer import Batch, Trainer, TrainerConfig
 
@@ -214,7 +215,9 @@ class RankedTrainer:
     commands: train on a step's groups (each rank its shard, ddp_train_step), load a checkpoint
     (a resume or a rollback), stop. Commands go through the rendezvous store as JSON signed with
     a key only the ranks' environments hold; a rank that dies fails the next step with its log's
-    tail. One per process: torch.distributed has one default process group.
+    tail. One per process: torch.distributed has one default process group. It implements
+    interface.RunTrainer member by member; it has no `optimizer` (a per-call learning rate set on
+    rank 0's alone would part the ranks: art.backend refuses it with trainer_ranks > 1).
     """
 
     def __init__(self, cfg: TrainerConfig, world_size: int, run_dir: str | Path, gpus: Sequence[int] = (),
@@ -240,11 +243,7 @@ class RankedTrainer:
             self.close()
             raise
 
-    def __getattr__(self, name):  # tokenizer, device, model, cfg, score_tokens, save_*: rank 0's
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
-
+    # ---- interface.RunTrainer: rank 0's Trainer answers what is not the update ------------------
     @property
     def step(self) -> int:
         return self.local.step
@@ -252,6 +251,29 @@ class RankedTrainer:
     @step.setter
     def step(self, value: int) -> None:
         self.local.step = value
+
+    cfg = property(lambda self: self.local.cfg)
+    tokenizer = property(lambda self: self.local.tokenizer)
+    device = property(lambda self: self.local.device)
+    model = property(lambda self: self.local.model)
+    checkpoints = property(lambda self: self.local.checkpoints)
+    warm_up_s = property(lambda self: self.local.warm_up_s)
+
+    def score_tokens(self, token_ids: list[int]) -> list[float]:
+        return self.local.score_tokens(token_ids)
+
+    def save_adapter(self, path: str | Path) -> None:
+        self.local.save_adapter(path)
+
+    def save_checkpoint(self, path: str | Path, wait: bool = True, before=None) -> None:
+        """Rank 0 writes it (the ranks hold the same weights); the others read it from disk."""
+        self.local.save_checkpoint(path, wait=wait, before=before)
+
+    def wait_for_checkpoint(self) -> None:
+        self.local.wait_for_checkpoint()
+
+    def release_cached_memory(self) -> None:
+        self.local.release_cached_memory()
 
     def train_step(self, groups) -> dict:
         self._send({"op": "train", "step": self.local.step, "groups": portable_groups(groups)})
@@ -343,7 +365,7 @@ def _close_if_ours(fd: int, port: int) -> None:
     sock.close() if ours else sock.detach()
 
 
-def make_trainer(cfg: TrainerConfig, ranks: int, run_dir: str | Path, plan) -> Trainer | RankedTrainer:
+def make_trainer(cfg: TrainerConfig, ranks: int, run_dir: str | Path, plan) -> RunTrainer:
     """GRPORun's trainer: a Trainer in this process, or with `ranks` > 1 a RankedTrainer over
     the plan's trainer GPUs (one rank each; on a CPU plan, CPU processes with gloo)."""
     if ranks == 1:

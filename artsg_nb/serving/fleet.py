@@ -36,7 +36,9 @@ from typing import Sequence
 
 from .. import engines
 from . import procs
-from ..engines import AdapterExistsError, UnknownAdapterError
+from ..engines import AdapterExistsError, Generation, SamplingParams, UnknownAdapterError
+from ..engines.base import FirstTokenHook
+from ..engines.interface import InferenceClient
 from .metrics import CacheCounters, cache_counters, hit_rate, progress_tokens
 from .router import Router, start_router
 from .server import Server, ServerConfig, ServerError, resolve_api_key
@@ -184,7 +186,7 @@ class Fleet:
             self._start_router()
         return True
 
-    def client(self) -> "FleetClient | engines.EngineClient":
+    def client(self) -> InferenceClient:
         """The run's client: the one server's, or a FleetClient (router + every worker)."""
         if self.router is None and len(self.servers) == 1 and not self.dropped:
             return self.servers[0].client()
@@ -256,16 +258,47 @@ class Fleet:
 
 
 class FleetClient:
-    """The router's client for requests, every worker's for control routes and metrics.
-    Anything not listed here (generate, score, chat, ...) goes to the router."""
+    """The router's client for requests, every worker's for control routes and metrics: an
+    engines.InferenceClient, each of its members written out here (none forwarded implicitly)."""
 
     def __init__(self, fleet: Fleet, front: engines.EngineClient, workers: list[engines.EngineClient]):
         self.fleet, self.front, self.workers = fleet, front, workers
         self.engine = front.engine
 
-    def __getattr__(self, name):
-        return getattr(self.front, name)
+    # ---- requests: through the router ---------------------------------------------------------
+    @property
+    def base_url(self) -> str:
+        return self.front.base_url
 
+    @property
+    def served_model(self) -> str:
+        return self.front.served_model
+
+    @property
+    def in_flight(self) -> int:
+        """Generation requests in flight through the router."""
+        return self.front.in_flight
+
+    async def generate(self, input_ids: list[int], params: SamplingParams | None = None, adapter: str | None = None,
+                       on_first_token: FirstTokenHook | None = None) -> list[Generation]:
+        return await self.front.generate(input_ids, params, adapter, on_first_token)
+
+    async def chat(self, messages: list[dict], params: SamplingParams | None = None, adapter: str | None = None,
+                   logprobs: bool = True, **extra) -> dict:
+        return await self.front.chat(messages, params, adapter, logprobs, **extra)
+
+    async def score(self, input_ids: list[int], adapter: str | None = None, temperature: float = 1.0) -> list[float]:
+        return await self.front.score(input_ids, adapter, temperature)
+
+    async def server_info(self) -> dict:
+        """The router's answer (it names its workers: sglang.SGLangClient reads a routed server from it)."""
+        return await self.front.server_info()
+
+    async def native_n_problem(self) -> str | None:
+        """Why native n > 1 under an adapter is unsafe on the workers (engines.sglang), or None."""
+        return await self.front.native_n_problem()
+
+    # ---- control routes and metrics: on every worker -------------------------------------------
     async def _all(self, fn):
         return await asyncio.gather(*[fn(c) for c in self.workers])
 
@@ -317,7 +350,7 @@ class FleetClient:
     async def metrics_text(self) -> str:
         """Every worker's counters (monotonic), summed into one /metrics text in the engine's
         own counter names; a worker that does not answer raises ServerUnavailableError."""
-        spec = engines.get(self.engine)
+        spec = engines.get(self.engine)  # the metrics names of the engine the client speaks
         texts = await self._all(lambda c: c.metrics_text())
         total = CacheCounters(0.0, 0.0)
         for server, text in zip(self.fleet.servers, texts):

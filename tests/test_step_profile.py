@@ -77,7 +77,7 @@ class StubTrainer:
 def test_the_trainer_is_looked_into_one_record_per_train_step():
     sp = load_tool()
     rec, trainer = sp.Recorder(), StubTrainer()
-    trainer.train_step = sp._sync_span(rec, "train_step", trainer.train_step)  # as instrument_run does first
+    trainer.train_step = sp.sync_span(rec, "train_step", trainer.train_step)  # the span the run's clock gives it
     sp.instrument_trainer(trainer, rec)
     on_gc = sp._gc_recorder(rec)
     gc.callbacks.append(on_gc)

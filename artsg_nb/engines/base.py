@@ -205,6 +205,7 @@ class EngineClient(abc.ABC):
         self._limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool,
                                     keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self._transport = transport
+        self._wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport] | None = None
         self._pools: list[httpx.AsyncClient] | None = None
         self._turn = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -274,7 +275,23 @@ class EngineClient(abc.ABC):
         """The server's logprobs mode; raises EngineError if they are not of the tempered distribution."""
         return "processed_logprobs"  # SGLang (and the CPU engine) scale by temperature by default
 
+    async def wrap_transport(self, wrap: Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]) -> None:
+        """Send every later request through `wrap(transport)` (the network's, or the one given at
+        construction): the seam a measuring tool times requests at (tools/gpu/step_profile.py).
+        The wrapper must pass requests and answers through unchanged. The pools made so far are
+        closed; the next request makes new ones, each over its own wrapped transport."""
+        await self.aclose()
+        self._wrap = wrap
+
     # ---- HTTP plumbing ----------------------------------------------------------------------
+    def _pool_transport(self) -> httpx.AsyncBaseTransport | None:
+        """A new pool's transport: the one given, else httpx's default (None) — or, once
+        `wrap_transport` was called, either one wrapped (the default then made here, with the
+        limits and TLS settings the pool would give it)."""
+        if self._wrap is None:
+            return self._transport
+        return self._wrap(self._transport or httpx.AsyncHTTPTransport(verify=tls_context(), limits=self._limits))
+
     def _client(self) -> httpx.AsyncClient:
         # An httpx client's connections belong to one event loop; run_sync (and each asyncio.run)
         # makes a new loop, so pools made on another loop are replaced, not reused.
@@ -282,7 +299,7 @@ class EngineClient(abc.ABC):
         if self._pools is None or self._loop is not loop:
             timeout = httpx.Timeout(self.timeout_s, connect=min(30.0, self.timeout_s))
             self._pools = [httpx.AsyncClient(base_url=self.base_url, headers=self._headers, limits=self._limits,
-                                             timeout=timeout, transport=self._transport, verify=tls_context())
+                                             timeout=timeout, transport=self._pool_transport(), verify=tls_context())
                            for _ in range(self._pool_count)]
             self._loop = loop
         return self._pools[next(self._turn) % len(self._pools)]

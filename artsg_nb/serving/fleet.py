@@ -366,6 +366,11 @@ class FleetClient:
         await self.front.aclose()
         await self._all(lambda c: c.aclose())
 
+    async def wrap_transport(self, wrap) -> None:
+        """EngineClient.wrap_transport on the router's client and every worker's (a measuring tool's seam)."""
+        await self.front.wrap_transport(wrap)
+        await self._all(lambda c: c.wrap_transport(wrap))
+
     async def __aenter__(self) -> "FleetClient":
         return self
 

@@ -204,6 +204,31 @@ def test_score_returns_prompt_logprobs_after_the_first_token():
     assert server.sent()["logprob_start_len"] == 0 and server.sent()["lora_path"] == "lora1"
 
 
+def test_a_wrapped_transport_sees_every_later_request_and_passes_it_through():
+    """EngineClient.wrap_transport, the seam a measuring tool times requests at
+    (tools/gpu/step_profile.py): every request from then on goes through the wrapper, answers
+    unchanged; the pools made before it are closed and made again."""
+    seen = []
+
+    class Counting(httpx.AsyncBaseTransport):
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def handle_async_request(self, request):
+            seen.append(request.url.path)
+            return await self.inner.handle_async_request(request)
+
+    client, server = sglang({("POST", "/generate"): recorded("generate_logprob.json"), ("GET", "/health"): (200, {})})
+
+    async def go():
+        before = await client.score([42, 71, 78, 299, 1098, 3794])
+        await client.wrap_transport(Counting)
+        assert await client.health() and await client.score([42, 71, 78, 299, 1098, 3794]) == before
+        await client.aclose()
+    run(go())
+    assert seen == ["/health", "/generate"] and len(server.requests) == 3
+
+
 # ---- SGLang adapters, cache, info ---------------------------------------------------------
 
 def test_load_and_unload_adapter_success():

@@ -10,16 +10,15 @@ in one event loop and records, per step:
 
   requests   every HTTP request the kernel sent (method, path, what a POST /generate was: rollout,
              warm-up, score; start and end offsets, time to the response headers, body bytes
-             sent and received, how many samples it asked for), from a timing wrapper around the
-             httpx transport of each connection pool the engine client makes; the health
+             sent and received, how many samples it asked for), from a timing transport the
+             client sends through (its public seam, EngineClient.wrap_transport); the health
              watchdog's polls are recorded apart (task "watchdog"), they overlap the step
-  spans      the kernel's synchronous work: train_step (training) and trainer_score (the adapter
-             check's trainer side), tokenizer (chat template / encode / decode) and http_pools
-             (the client making its httpx pools, once per event loop), timed by wrappers on this
-             run's trainer, tokenizer and client; and from the run's own phase clock
-             (`run.clock`, artsg_nb/run/clock.py) the step's phases as it timed them: save,
-             rewards (writing the rollouts), history, prune (synchronous), and rollouts, publish,
-             version (save + publish + the served-adapter check), verify
+  spans      from the run's own phase clock (`run.clock`, artsg_nb/run/clock.py, its public seam)
+             the step's phases as it timed them: train_step (its "train" phase), save, rewards
+             (writing the rollouts), history, prune (synchronous), and rollouts, publish, version
+             (save + publish + the served-adapter check), verify; and, timed by wrappers on this
+             run's trainer and tokenizer objects (their public methods), trainer_score (the adapter
+             check's trainer side) and tokenizer (chat template / encode / decode)
   trainer    inside train_step (issue 26: its time swung 0.03-2.08 s step to step on the H200): the
              batch (sequences x padded width, real tokens), the (rows, length) of each micro-batch
              the model saw and whether one is new to the run, seconds per 1k padded tokens,
@@ -54,8 +53,9 @@ the vLLM dialect's routes by kind (its requests are counted by path only). A req
 includes any moment the kernel was busy while its answer waited (the stalls say how much). The
 client is instrumented at each step's start: after a server restart within a step (the row's
 `restarts`) the rest of that step's requests go unseen. RunConfig.pipeline stays off (default).
-Package code is untouched and nothing of the run is patched: the step's phases come from its
-clock; the wrappers sit on this run's trainer, tokenizer and client only.
+Nothing of the run is patched: the step's phases come from its clock, the requests from its
+client's transport seam; the wrappers sit on public methods of this run's trainer and tokenizer
+only (the parts inside train_step wait for a trainer-side clock to replace them).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ TRAIN = "train_step"
 STALL_TICK_S, STALL_MIN_S = 0.010, 0.020
 TRAINER_PARTS = ("make_batch", "backward", "optimizer_step")  # nested in train_step
 CLOCK_SYNC = ("save", "rewards", "history", "prune")  # the run's clock's synchronous phases
-SYNC_SPANS = ("train_step", "trainer_score", "tokenizer", "http_pools", *CLOCK_SYNC)
+SYNC_SPANS = ("train_step", "trainer_score", "tokenizer", *CLOCK_SYNC)
 PHASES = {"publish": 3.0, "rollouts": 3.1, "version": 3.2}  # the clock's async phases, innermost first
 
 
@@ -122,6 +122,7 @@ class Recorder:
     train_records: list[dict] = field(default_factory=list)  # one per train_step (instrument_trainer)
     depth: int = 0  # synchronous spans open now (a nested one is its parent's time)
     shapes_seen: set[tuple[int, int]] = field(default_factory=set)  # micro-batch (rows, length) of the run so far
+    clients: set[int] = field(default_factory=set)  # the clients instrumented (id), each once
     training_thread: int | None = None  # the thread inside train_step now (gc is recorded there only)
 
     def take(self) -> tuple[list[Request], list[dict], list[tuple[float, float]], list[dict]]:
@@ -176,23 +177,14 @@ class TimedTransport(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-def instrument_client(client, rec: Recorder) -> None:
-    """Wrap the transport of every pool the client makes (`EngineClient._client` makes them per
-    event loop, lazily): the one seam that sees every request, admin calls and SSE included."""
-    if getattr(client, "_profiled", False):
+async def instrument_client(client, rec: Recorder) -> None:
+    """Time every request of `client` (admin calls and SSE included) through its public seam,
+    EngineClient.wrap_transport: each pool it makes from now on sends through a TimedTransport.
+    Once per client: a restarted server comes with a new one."""
+    if id(client) in rec.clients:
         return
-    make_pool = client._client
-
-    def pool() -> httpx.AsyncClient:
-        before, t0 = client._pools, time.perf_counter()
-        c = make_pool()
-        if client._pools is not before:  # a new set of pools (first use, or a new event loop): timed
-            rec.spans.append({"name": "http_pools", "t0": t0, "t1": time.perf_counter(), "nested": rec.depth > 0})
-        if not isinstance(c._transport, TimedTransport):  # httpx keeps the pool's transport here
-            c._transport = TimedTransport(c._transport, rec)
-        return c
-
-    client._client, client._profiled = pool, True
+    rec.clients.add(id(client))
+    await client.wrap_transport(lambda inner: TimedTransport(inner, rec))
 
 
 def classify(req: Request) -> None:
@@ -219,7 +211,7 @@ def classify(req: Request) -> None:
 
 
 # ---- kernel spans: wrappers on this run's objects ----------------------------------------------
-def _sync_span(rec: Recorder, name: str, fn):
+def sync_span(rec: Recorder, name: str, fn):
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
         rec.depth += 1
@@ -235,13 +227,12 @@ def _sync_span(rec: Recorder, name: str, fn):
 def instrument_run(run: GRPORun, rec: Recorder):
     """Time this run's trainer and tokenizer by instance attributes (looked up at call time), and
     record collections on the training thread until exit."""
-    trainer, tok = run.trainer, run.trainer.tokenizer
-    for attr, name in (("train_step", "train_step"), ("score_tokens", "trainer_score")):
-        setattr(trainer, attr, _sync_span(rec, name, getattr(trainer, attr)))
+    trainer, tok = run.trainer, run.trainer.tokenizer  # train_step's span is the clock's "train" phase
+    trainer.score_tokens = sync_span(rec, "trainer_score", trainer.score_tokens)
     instrument_trainer(trainer, rec)
     for attr in ("apply_chat_template", "encode", "decode"):
         try:  # best effort: a tokenizer class that refuses instance attributes is left untimed
-            setattr(tok, attr, _sync_span(rec, "tokenizer", getattr(tok, attr)))
+            setattr(tok, attr, sync_span(rec, "tokenizer", getattr(tok, attr)))
         except (AttributeError, TypeError) as e:
             print(f"note: tokenizer.{attr} not timed ({e})", flush=True)
     on_gc = _gc_recorder(rec)
@@ -252,9 +243,14 @@ def instrument_run(run: GRPORun, rec: Recorder):
         gc.callbacks.remove(on_gc)
 
 
+CLOCK_NAMES = {"train": TRAIN}
+"""The clock's phases named as this profile names them: its "train" phase is exactly train_step."""
+
+
 def clock_spans(run: GRPORun, t0: float) -> list[dict]:
     """The phases the run's clock timed since t0 (its scale is perf_counter's), as spans."""
-    return [{"name": s.name, "t0": s.t0, "t1": s.t1, "nested": False} for s in run.clock.since(t0)]
+    return [{"name": CLOCK_NAMES.get(s.name, s.name), "t0": s.t0, "t1": s.t1, "nested": False}
+            for s in run.clock.since(t0)]
 
 
 # ---- inside train_step ---------------------------------------------------------------------------
@@ -300,7 +296,7 @@ def instrument_trainer(trainer, rec: Recorder) -> None:
     (RankedTrainer, rank 0's `local` doing the work) is looked into through its local trainer."""
     worker = getattr(trainer, "local", trainer)
     for name in TRAINER_PARTS:
-        setattr(worker, name, _sync_span(rec, name, getattr(worker, name)))
+        setattr(worker, name, sync_span(rec, name, getattr(worker, name)))
     make_batch, micro_batches, train_step = worker.make_batch, worker.micro_batches, trainer.train_step
 
     def make_batch_recorded(groups):
@@ -318,9 +314,11 @@ def instrument_trainer(trainer, rec: Recorder) -> None:
         record = {"sequences": 0, "width": 0, "tokens": 0, "shapes": []}
         rec.train_records.append(record)
         before, rec.training_thread = one_off_counters(), threading.get_ident()
+        rec.depth += 1  # its parts are nested spans
         try:
             return train_step(groups)
         finally:
+            rec.depth -= 1
             rec.training_thread = None
             after = one_off_counters()
             record["counters"] = {k: after[k] - before.get(k, 0) for k in after}
@@ -629,7 +627,7 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
         record["max_turns"] = run.task.max_turns
         with instrument_run(run, rec):
             for n in range(1, steps + 1):
-                instrument_client(run.client, rec)  # a restarted server comes with a new client
+                await instrument_client(run.client, rec)  # a restarted server comes with a new client
                 before = await server_text(run)
                 rec.take()
                 t0 = time.perf_counter()

@@ -3,8 +3,9 @@
 Why: a GRPO step's rollouts are many small requests made at the same moment — every group's
 warm-up, then every group's samples; every episode's next turn. Sent one by one, each pays its own
 HTTP round trip, and the server's scheduler meets them as they trickle in. Measured on an H100
-(SmolLM2-135M, 16 groups x 8 samples, 8 new tokens, `tools/gpu/batch_shapes.py`, 2026-12-06): the
-client's per-group requests (32 of them) took 0.240 s, the same work as two batch requests 0.161 s.
+(SmolLM2-135M, 16 groups x 8 samples, 8 new tokens, 2026-12-06,
+benchmarks/results/20261206-h100-batch-shapes-smollm2-2c9ada6.json): the client's per-group
+requests (32 of them) took 0.240 s, the same work as two batch requests 0.161 s.
 
 What it does: `submit(payload)` queues one single-prompt /generate payload and returns a future of
 its answer (one sample object). When the tick ends, the queued payloads that agree on everything

@@ -95,8 +95,8 @@ def native_n_submission(native_n: str | None, index: int) -> str | None:
 
 WARM_UP_FROM_FLOP = 1e12
 """SGLang's EngineSpec.warm_up_from_flop. Measured on an H100 (SmolLM2-135M, 16 prompts of 38
-tokens x 8 copies, tools/gpu/batch_shapes.py, 2026-12-06): one warm-up batch then one sample batch
-0.161 s, one batch of the copies 0.118 s; the warm-up's round trip, shared by a step's 16 groups,
+tokens x 8 copies, 2026-12-06, benchmarks/results/20261206-h100-batch-shapes-smollm2-2c9ada6.json):
+one warm-up batch then one sample batch 0.161 s, one batch of the copies 0.118 s; the warm-up's round trip, shared by a step's 16 groups,
 costs ~2.7 ms a group, about what 1e12 FLOPs of prefill take at 40 % of the card's bf16 peak. So
 SmolLM2 skips it below ~530-token prompts (8 copies), a 1.5B model below ~50, an 8B model never."""
 

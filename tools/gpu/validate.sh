@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation phases for the H200 host, run after tools/gpu/install.sh in one device command:
 #
-#   bash tools/gpu/install.sh && bash tools/gpu/validate.sh models probe-tiny train ...
+#   bash tools/gpu/install.sh && bash tools/gpu/validate.sh models train ...
 #
 # Each phase runs with its own time limit, logs to $OUT/<phase>.log (the device tool brings $OUT
 # back) and prints one PASS/FAIL line; a failing phase does not stop the next. Models are built
@@ -12,11 +12,7 @@
 #               one PASS/FAIL line each, $OUT/<date>-<card>-smoke.json (h100, h200). Carry [".gpu-bundle", ".whl-kernel"].
 #               The tests part runs beside the other two (from 75 s in): ~6.5 min on a fresh host (every
 #               SGLang start 55-120 s); give the call timeout_s=600.
-#   nshapes     tools/gpu/n_shapes.py: balanced n vs native n vs prefix/naive under an adapter on one
-#               server, then the unload after native n (shows sglang#36894), $OUT/n_shapes.json
 #   models      tiny (CI's, pretrained) and 0.5b (Qwen2.5-0.5B's shape) via python -m artsg_nb.models tiny
-#   probe-tiny  tools/gpu/probe_engine.py on the tiny model with real SGLang (served? adapters? cache?)
-#   probe-05b   the same on the 0.5b model
 #   tests       pytest -m "gpu or sglang" with ARTSG_TEST_ENGINES=sglang (engine integration tests)
 #   train       python -m artsg_nb.train on SGLang, colocated on this GPU, a few steps
 #   notebook    the quickstart executed headless against SGLang (python -m artsg_nb.demo)
@@ -26,11 +22,6 @@
 #   bench-vllm  the same workload on vLLM (radix on unless BENCH_RADIX), $OUT/bench_vllm.csv
 #   train-vllm  python -m artsg_nb.train on vLLM, colocated, a few steps on the 0.5b model (the
 #               tiny model's head_dim 16 is below what vLLM's attention kernels take)
-#   trainer-tps trainer tokens/s with and without Unsloth (tools/gpu/trainer_tps.py)
-#   memsaver    SGLang memory release around training on the tiny model, off vs on, GPU memory before/
-#               after, release/resume seconds (tools/gpu/memsaver.py; needs .whl-tms carried);
-#               prints its stage lines and a `memsaver:` summary, writes $OUT/memsaver_tiny.json
-#   memsaver-05b  the same on the 0.5b model ($OUT/memsaver_05b.json)
 #   reload      benchmarks/reload_profile.py on SGLang with SmolLM2 r16: save / checksum / fsync / load /
 #               first request, run_dir on disk vs /dev/shm (issue 17's reload target), $OUT/reload.csv
 #   scale       the loop on RunConfig defaults at real sizes (tools/gpu/scale.py): random-weight Llama-shaped
@@ -77,10 +68,6 @@
 #               PROFILE_TASK=addition_chat: `addition` pays SmolLM2 nothing and skips its updates): every round trip per step by
 #               endpoint, server vs kernel time, the top 5 costs that are neither decoding nor training (issue 26),
 #               $OUT/step_profile.json
-#   batch-shapes  tools/gpu/batch_shapes.py on SGLang: a step's turn-1 requests under a trained adapter sent per
-#               group (today's warm-up + batch each), as one warm-up batch + one batch, as one cold batch, as
-#               singles; wall, hit rate and the server's latency histograms per shape (SmolLM2 when built, else
-#               the tiny model; SHAPES_TOKENS new tokens, default 8), $OUT/batch_shapes.json
 #   adopt       tools/gpu/adopt_time.py on SGLang, RunConfig defaults: a kernel starts a run and takes one step, is
 #               SIGKILLed, and a new kernel re-runs the cells with resume=True, adopting the live server; start_s of
 #               both, the trainer's build (warm-up in it) and the first step (issue 26 item 4: reused in <= 10 s).
@@ -138,10 +125,6 @@ for p in "$@"; do
                    | grep -E '^(PASS|FAIL) |^    |schedule ' | cut -c1-400
                  [[ ${PIPESTATUS[0]} == 0 ]] || FAILS=$((FAILS + 1)) ;;
     models)      phase models 240 bash -c "python3 -m artsg_nb.models tiny $TINY && python3 -m artsg_nb.models tiny $BIG --size 0.5b" ;;
-    probe-tiny)  phase probe-tiny 300 python3 tools/gpu/probe_engine.py --engine sglang --model $TINY --run-dir /tmp/probe-tiny --out "$OUT/probe_tiny.json" ;;
-    probe-05b)   phase probe-05b 300 python3 tools/gpu/probe_engine.py --engine sglang --model $BIG --run-dir /tmp/probe-05b --out "$OUT/probe_05b.json" ;;
-    nshapes)     phase nshapes 300 python3 tools/gpu/n_shapes.py --model $TINY --out "$OUT/n_shapes.json"
-                 grep -E '^\{|balanced|unload after' "$OUT/nshapes.log" | cut -c1-300 | sed 's/^/    /' ;;
     tiny)        phase tiny 240 python3 -m artsg_nb.models tiny $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;
     random-models)
@@ -169,9 +152,6 @@ for p in "$@"; do
                    --steps ${PROFILE_STEPS:-6} --groups-per-step 16 --group-size 8 --max-new-tokens ${PROFILE_TOKENS:-8} ${PROFILE_MODEL:+--model-path $PROFILE_MODEL} ${PROFILE_TASK:+--task $PROFILE_TASK} \
                    --run-dir /tmp/runs/step-profile --out $OUT/step_profile.json"
                  sed -n '/^summary over steps/,$p' "$OUT/step-profile.log" | head -70 | cut -c1-200 | sed 's/^/    /' ;;
-    batch-shapes) phase batch-shapes 300 python3 tools/gpu/batch_shapes.py --max-new-tokens ${SHAPES_TOKENS:-8} \
-                   $([[ -d $SMOL ]] && echo --model-path $SMOL) --run-dir /tmp/runs/batch-shapes --out "$OUT/batch_shapes.json"
-                 grep -E '^wall medians' "$OUT/batch-shapes.log" | cut -c1-300 | sed 's/^/    /' ;;
     adopt)       phase adopt 560 python3 tools/gpu/adopt_time.py --engine sglang ${ADOPT_MODEL:+--model-path $ADOPT_MODEL} \
                    --run-dir /tmp/runs/adopt --timeout-s 270 --out "$OUT/adopt.json"
                  grep -E '^(cold|adopted|PASS|FAIL) ' "$OUT/adopt.log" | cut -c1-200 | sed 's/^/    /' ;;
@@ -215,14 +195,6 @@ for p in "$@"; do
                  grep -E "^ *$E " "$OUT/$p.log" | cut -c1-200 | sed 's/^/    /' ;;
     train-vllm)  phase train-vllm 400 python3 -m artsg_nb.train --engine vllm --model-path $BIG --steps ${TRAIN_STEPS:-3} \
                    --run-dir /tmp/runs/train-vllm ;;
-    trainer-tps) phase trainer-tps 300 python3 tools/gpu/trainer_tps.py --model $BIG --out "$OUT/trainer_tps.json" ;;
-    memsaver|memsaver-05b)
-                 if [[ $p == memsaver ]]; then M=$TINY; TAG=tiny; SIZE=tiny; else M=$BIG; TAG=05b; SIZE=0.5b; fi
-                 MB=${MEMSAVER_BUDGET_S:-420}
-                 phase "$p" $((MB + 60)) bash -c "[ \"\${ARTSG_TMS_READY:-0}\" = 1 ] || { echo 'torch_memory_saver is not installed: carry .whl-tms (tools/gpu/README.md)'; exit 3; }
-                   [ -f $M/config.json ] || python3 -m artsg_nb.models tiny $M --size $SIZE || exit 4
-                   python3 tools/gpu/memsaver.py --model $M --run-dir /tmp/runs/memsaver-$TAG --out $OUT/memsaver_$TAG.json --budget-s $MB"
-                 grep -E '^(PASS|FAIL|SKIP) |^memsaver:' "$OUT/$p.log" | cut -c1-400 | sed 's/^/    /' ;;
     reload)      phase reload 300 python3 benchmarks/reload_profile.py --model $SMOL --engine sglang \
                    --dirs /tmp/runs/reload /dev/shm/artsg-reload --out "$OUT/reload.csv" ;;
     scale)       for shape in ${SCALE_SHAPES:-7b 14b}; do

@@ -194,6 +194,8 @@ def test_two_steps_on_the_cpu_engine(tiny_model_dir, tmp_path):
         assert t["sequences"] <= s["row"]["samples"] and sum(rows for rows, _ in t["shapes"]) == t["sequences"]
         assert t["sequences"] <= t["tokens"] <= t["padded_tokens"] <= t["sequences"] * t["width"]
         assert t["make_batch_s"] + t["backward_s"] + t["optimizer_step_s"] <= t["train_s"] and t["backward_s"] > 0
+        u = s["update_timing"]  # the trainer's own split of the update, read from its public last_update
+        assert u["wall_s"] > 0 and u["thread_cpu_s"] > 0 and u["why"].startswith(f"{u['wall_s']:.3f} s: ")
         seen = {tuple(shape) for earlier in record["steps"][:s["step"] - 1] for shape in earlier["trainer"]["shapes"]}
         assert t["new_shape"] == any(tuple(shape) not in seen for shape in t["shapes"])
         assert sum(s["parts"].values()) == pytest.approx(s["wall_s"], rel=1e-6)

@@ -28,6 +28,8 @@ in one event loop and records, per step:
              summary sets the steps that met a new shape beside those that did not
   stalls     event-loop stalls over 20 ms (a task sleeping 10 ms that woke late), and how much
              of them no known synchronous span explains
+  update     the trainer's own split of the update's seconds (Trainer.last_update: GPU, this
+             thread's CPU, gc, kernel compiles, checkpoint wait, other threads) and its reading
   phases     rollout_s, train_s, reload_s of the step's history row; verify_s (the clock's verify
              phase: the served-adapter check after the reload) and other_s (the rest of the wall time)
 
@@ -71,7 +73,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -329,6 +331,14 @@ def instrument_trainer(trainer, rec: Recorder) -> None:
     trainer.train_step = train_step_recorded
 
 
+def update_timing(trainer) -> dict | None:
+    """Where the step's update spent its seconds, as the trainer split them (its public
+    `last_update`, rl/update_timing.py: GPU, this thread's CPU, gc, compiles, checkpoint wait,
+    other threads), with its one-sentence reading; None where the trainer keeps none (ranks)."""
+    timing = getattr(trainer, "last_update", None)
+    return None if timing is None else {**asdict(timing), "why": timing.why()}
+
+
 def trainer_detail(records: list[dict], spans: list[dict]) -> dict | None:
     """The step's train_step seen from inside: its batch and micro-batch shapes, seconds per 1k
     padded tokens (rows x length summed over the micro-batches: the work, so a long batch is not
@@ -561,6 +571,8 @@ def print_step(s: dict) -> None:
         print(f"  {t['start_s']:8.3f} {t['end_s']:7.3f} {t['gap_before_s']:6.3f} {t['n']:>2}  {t['what']}")
     if s.get("trainer"):
         print("  " + trainer_line(s["trainer"]))
+    if s.get("update_timing"):
+        print(f"  update split (Trainer.last_update): {s['update_timing']['why']}")
     print(f"  {'endpoint':<34} {'n':>3} {'total s':>8} {'mean ms':>8} {'KiB out':>8} {'KiB in':>8}")
     for k, e in sorted(s["endpoints"].items(), key=lambda kv: -kv[1]["s"]):
         print(f"  {k:<34} {e['n']:>3} {e['s']:8.3f} {1e3 * e['s'] / e['n']:8.1f} {e['req_bytes'] / 1024:8.1f} "
@@ -636,6 +648,7 @@ async def profile(cfg: RunConfig, steps: int, out: Path | None) -> dict:
                 requests, spans, stalls, train_records = rec.take()
                 s = analyse_step(n, t0, t1, row, requests, spans + clock_spans(run, t0), stalls, train_records)
                 s["server"] = server_delta(before, await server_text(run))  # its request is dropped by take()
+                s["update_timing"] = update_timing(run.trainer)
                 print_step(s)
                 print_server(s["server"])
                 record["steps"].append(s)

@@ -64,3 +64,17 @@ def test_a_failed_server_closes_the_built_trainer():
     with pytest.raises(FileNotFoundError, match="model path"):
         _in_parallel(server, lambda: trainer)
     assert trainer.closed
+
+
+def test_the_two_halves_of_a_start_are_spans_on_the_runs_clock():
+    """GRPORun.start hands each half to its thread as PhaseClock.call: "server_start" and
+    "trainer_build" are spans that overlap (a profiler reads the trainer's build from them)."""
+    from artsg_nb.run.clock import PhaseClock
+
+    clock, both_started = PhaseClock(), threading.Barrier(2, timeout=10)
+    got = _in_parallel(lambda: clock.call("server_start", lambda: (both_started.wait(), "server")[1]),
+                       lambda: clock.call("trainer_build", lambda: (both_started.wait(), "trainer")[1]))
+    assert got == ("server", "trainer")
+    spans = {s.name: s for s in clock.since(0.0)}
+    assert set(spans) == {"server_start", "trainer_build"}
+    assert spans["server_start"].t0 < spans["trainer_build"].t1 and spans["trainer_build"].t0 < spans["server_start"].t1

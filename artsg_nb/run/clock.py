@@ -4,7 +4,8 @@ What it does: `with clock.phase("rollouts") as lap:` times a named phase of a st
 once the block has left, also when it raised) and keeps it as a `Span` (name, start, end), so a
 profiler reads what the step did from `clock.since(t0)` instead of wrapping the run's methods.
 `clock.now()` is the same monotonic time, for the few instants that are not a phase (when the
-rollouts ahead ended, when an update returned). Spans from worker threads are kept too (a
+rollouts ahead ended, when an update returned). A run's start is timed on it too: "server_start"
+and "trainer_build", which run side by side. Spans from worker threads are kept too (a
 pipelined update saves in one).
 
 What it does not do: decide what a phase is (run/step.py names them: rollouts, rewards, update,
@@ -17,6 +18,9 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 KEPT_SPANS = 4096
 """The newest spans kept (a few dozen a step): a profiler reads them after each step."""
@@ -64,6 +68,11 @@ class PhaseClock:
             t1 = self.now()
             lap.seconds = t1 - lap.t0
             self.spans.append(Span(name, lap.t0, t1))
+
+    def call(self, name: str, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` timed as phase `name`: for work handed on as a function (to a thread)."""
+        with self.phase(name):
+            return fn(*args)
 
     def since(self, t0: float) -> list[Span]:
         """The spans that started at or after `t0`, in the order they ended."""

@@ -190,8 +190,9 @@ class GRPORun:
         # A registered real model's name (models.py) → its offline build; a directory or hub id as is.
         model_path = built_model_dir(cfg.model_path) if cfg.model_path else str(default_model_dir())
         self.model_path = base_model_id(cfg.model_path) if cfg.model_path else model_path
-        self.server, self.trainer = start_while(lambda: self._start_server(engine, model_path),
-                                                lambda: self._make_trainer(model_path))
+        timed = self.clock.call  # the start's two halves, side by side, each a span on the run's clock
+        self.server, self.trainer = start_while(lambda: timed("server_start", self._start_server, engine, model_path),
+                                                lambda: timed("trainer_build", self._make_trainer, model_path))
         self.client = self.server.client()
         self.tracker = HitRateTracker(engine=engine)
         self.history = History.load(self.run_dir) if cfg.resume else History(self.run_dir)

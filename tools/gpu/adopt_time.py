@@ -12,7 +12,7 @@ subprocess running the cells a user runs, on RunConfig's defaults (only the flag
             after step 1; then one step() and stop().
 
 It prints one line per kernel (start_s: GRPORun.start(); trainer_s: the trainer's build, warm-up
-included; first_step_s; warm_up_s; adopted) and `PASS adopt` when the second kernel adopted the
+included, the run clock's "trainer_build" span; first_step_s; warm_up_s; adopted) and `PASS adopt` when the second kernel adopted the
 server and its step completed, else `FAIL adopt` with the kernel's output. Figures are printed, not
 judged: the issue's 10 s is read off them. Everything goes to --out as JSON.
 
@@ -38,19 +38,13 @@ import asyncio, json, logging, os, sys, time
 if os.environ.get("ADOPT_LOG"):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 from artsg_nb.run.session import GRPORun, RunConfig
-from artsg_nb.rl import trainer as trainer_module
 engine, model, run_dir, resume = sys.argv[1], sys.argv[2] or None, sys.argv[3], sys.argv[4] == "1"
-built = {}
-init = trainer_module.Trainer.__init__
-def timed_init(self, cfg):  # the trainer's build, warm-up included, as GRPORun.start runs it
-    t0 = time.perf_counter()
-    init(self, cfg)
-    built["trainer_s"] = time.perf_counter() - t0
-trainer_module.Trainer.__init__ = timed_init
 cfg = RunConfig(engine=engine, model_path=model, run_dir=run_dir, resume=resume, verbose=False)
 t0 = time.perf_counter()
 run = GRPORun(cfg).start()
 start_s = time.perf_counter() - t0
+# the trainer's build, warm-up included, as the run's clock timed it beside the server's start
+built = {"trainer_s": s.seconds for s in run.clock.since(0.0) if s.name == "trainer_build"}
 t1 = time.perf_counter()
 row = asyncio.run(run.step())
 record = {"start_s": start_s, "first_step_s": time.perf_counter() - t1, "step": row["step"],

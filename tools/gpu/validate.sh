@@ -120,10 +120,17 @@ for p in "$@"; do
     smoke)       SHIPPED=$PWD/artsg_nb/models/shipped/tiny-s0-p800  # the weights CI tests (no build on the host)
                  GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h100|h200|a100|l40s|b200' | tr A-Z a-z)
                  SMOKE_JSON="$OUT/$(date +%Y%m%d)-${GPU_TAG:-gpu}-smoke.json"  # the card it ran on: kinds named H200 may get an H100
-                 timeout 585 env ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/defaults_smoke.py --model $SHIPPED \
+                 timeout 570 env ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/defaults_smoke.py --model $SHIPPED \
                    --out "$SMOKE_JSON" ${SMOKE_PARTS:+--parts $SMOKE_PARTS} 2>&1 | tee "$OUT/smoke.log" \
                    | grep -E '^(PASS|FAIL) |^    |schedule ' | cut -c1-400
                  [[ ${PIPESTATUS[0]} == 0 ]] || FAILS=$((FAILS + 1)) ;;
+    update-spikes)  # the same 20 steps with CUDA's lazy kernel loading (the default) and with eager loading
+                 SHIPPED=$PWD/artsg_nb/models/shipped/tiny-s0-p800
+                 for mode in LAZY EAGER; do
+                   phase update-spikes-$mode 200 env CUDA_MODULE_LOADING=$mode ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/update_spikes.py \
+                     --model $SHIPPED --steps ${SPIKE_STEPS:-20} --run-dir /tmp/runs/spikes-$mode --label $mode --out "$OUT/update-spikes-$mode.json"
+                   grep -E '^(LAZY|EAGER):' "$OUT/update-spikes-$mode.log" | cut -c1-300 | sed 's/^/    /'
+                 done ;;
     models)      phase models 240 bash -c "python3 -m artsg_nb.models tiny $TINY && python3 -m artsg_nb.models tiny $BIG --size 0.5b" ;;
     tiny)        phase tiny 240 python3 -m artsg_nb.models tiny $TINY ;;
     smollm2)     phase smollm2 240 python3 -m artsg_nb.models smollm2-135m-instruct $SMOL ;;

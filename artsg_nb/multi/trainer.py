@@ -213,6 +213,10 @@ class MultiTrainer:
         with self.using(name) as trainer:
             return trainer.score_tokens(list(token_ids))
 
+    def learning_rate_of(self, name: str) -> float:
+        """Experiment `name`'s AdamW learning rate now."""
+        return self._get(name).optimizer.param_groups[0]["lr"]
+
     def step_of(self, name: str) -> int:
         """Optimizer steps experiment `name` has taken."""
         return self._get(name).step

@@ -19,9 +19,12 @@ What it does: an `Experiment` is one GRPO run on the sweep's shared server and M
 Adapter names carry the experiment (`<name>-step-N`), so the server's prefix cache, keyed by
 adapter, never mixes two experiments or two versions.
 
-What it does not do: start the server or the trainer, or decide when steps run (runtime.py), or
-restart a lost server: a step that fails marks the experiment failed (its error kept and shown) and
-the sweep goes on without it.
+Its server phases (rollouts, reload, check) go through the sweep's SharedServer (serving.py): a
+lost server is restarted and the phase redone, the rollouts with the same seeds.
+
+What it does not do: start the server or the trainer, or decide when steps run (runtime.py). A step
+that fails otherwise marks the experiment failed (its error kept and shown) and the sweep goes on
+without it.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..engines import UnknownAdapterError
+from ..engines import ServerUnavailableError, UnknownAdapterError
 from ..rl.lora import (AdapterMismatchError, AdapterPublisher, AdapterVersion, MaskedScorer, probe_served_adapter,
                        probe_trajectory, save_adapter_atomic, seal_version)
 from ..rollout.samples import constant_groups, write_rollouts
@@ -39,6 +42,7 @@ from ..rollout.trajectory import require_rewards
 from ..run.config import RunConfig
 from ..run.history import History, step_row
 from ..run.source import RolloutSource
+from .serving import SharedServer
 from .trainer import MultiTrainer
 
 log = logging.getLogger(__name__)
@@ -67,11 +71,13 @@ class _TrainerView:
 class Experiment:
     """One experiment on the sweep's server and trainer (module docstring)."""
 
-    def __init__(self, name: str, cfg: RunConfig, task, multi: MultiTrainer, client, verify_tol: float):
-        self.name, self.cfg, self.multi = name, cfg, multi
+    def __init__(self, name: str, cfg: RunConfig, task, multi: MultiTrainer, shared: SharedServer, verify_tol: float):
+        self.name, self.cfg, self.multi, self.shared = name, cfg, multi, shared
         self.run_dir = Path(cfg.run_dir)
         self.history = History(self.run_dir)
-        self.publisher = AdapterPublisher(client, self.run_dir, keep=1)
+        self.publisher = AdapterPublisher(shared.client, self.run_dir, keep=1)
+        shared.publishers.append(self.publisher)  # a restart gives it the new client and republishes it
+        self.initial: AdapterVersion | None = None
         self.source = RolloutSource(cfg, task, _TrainerView(multi, name), self)  # self: its serving side
         self.verify_tol = verify_tol
         self.verified = not cfg.verify_adapter
@@ -101,9 +107,9 @@ class Experiment:
     async def raise_if_server_lost(self, groups) -> None:
         """Rollouts that failed with the server gone are no step: raise instead of training on the rest."""
         errors = [t.error for g in groups for t in g.trajectories if t.error]
-        if errors and not await self.client.health():
-            raise RuntimeError(f"experiment {self.name!r}: {len(errors)} rollouts failed and the server does not "
-                               f"answer /health: {errors[0]}")
+        if errors and not (self.shared.server.alive() and await self.client.health()):
+            raise ServerUnavailableError(f"experiment {self.name!r}: {len(errors)} rollouts failed and the server is "
+                                         f"gone: {errors[0]}")
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -125,22 +131,26 @@ class Experiment:
         adapters of this name an earlier sweep left on the server are unloaded first."""
         if self.publisher.current is not None:
             return
+        if self.initial is None:
+            async with turn:
+                self.initial = await asyncio.to_thread(self._save, 0, True)
+        await self.shared.with_restarts(self._publish_initial)
+
+    async def _publish_initial(self) -> None:
         for held in await self.client.list_adapters():
             if held.startswith(f"{self.name}-step-"):
                 try:
                     await self.client.unload_adapter(held)
                 except UnknownAdapterError:
                     pass
-        async with turn:
-            version = await asyncio.to_thread(self._save, 0, False)
-        await self.publisher.publish(version)
+        await self.publisher.publish(self.initial)
 
     async def step(self, turn: asyncio.Lock) -> dict:
         """One GRPO step (module docstring); its history row."""
         await self.serve_initial(turn)
         step = self.step_count + 1
         t0 = time.perf_counter()
-        groups, hit_rate = await self.source.rollouts(step)
+        groups, hit_rate = await self.shared.with_restarts(self.source.rollouts, step)  # same seeds when redone
         rollout_s = time.perf_counter() - t0
         write_rollouts(self.run_dir, step, groups)  # first: a step without rewards leaves its completions to read
         require_rewards(groups)
@@ -156,7 +166,7 @@ class Experiment:
         reload_s, probe = None, None
         if version is not None:
             t_reload = time.perf_counter()
-            await self.publisher.publish(version)
+            await self.shared.with_restarts(self._publish, version)
             reload_s = time.perf_counter() - t_reload
             probe = await self._verify(groups, turn)
         row = step_row(step, self.adapter, groups, metrics, hit_rate=hit_rate, rollout_s=rollout_s, train_s=train_s,
@@ -165,6 +175,12 @@ class Experiment:
         if self.cfg.verbose:
             print(f"{self.name}: {History.format_row(row)}", flush=True)
         return row
+
+    async def _publish(self, version: AdapterVersion) -> None:
+        """Serve `version`, unless a restart's republish already did (the server died while unloading
+        the version before it): a name cannot be loaded twice."""
+        if self.adapter != version.name:
+            await self.publisher.publish(version)
 
     def _update(self, step: int, groups, no_signal: bool) -> tuple[dict, AdapterVersion | None]:
         """The update and its saved version (worker thread, the trainer's turn held). No signal
@@ -194,7 +210,8 @@ class Experiment:
             trainer_lp = await asyncio.to_thread(self.multi.score, self.name, probe.token_ids)
         mask = probe.completion_mask[1:]
         mine = [x for x, m in zip(trainer_lp, mask) if m]
-        result = await probe_served_adapter(MaskedScorer(self.client, mask, self.cfg.temperature),
-                                            self.publisher.current, probe.token_ids, mine, None, self.verify_tol)
+        result = await self.shared.with_restarts(lambda: probe_served_adapter(  # the client after a restart
+            MaskedScorer(self.client, mask, self.cfg.temperature), self.publisher.current, probe.token_ids, mine,
+            None, self.verify_tol))
         self.verified = True
         return result

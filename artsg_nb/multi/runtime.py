@@ -21,9 +21,11 @@ adapters and history.jsonl (experiment.py).
 One experiment failing (its task raising, no reward, an exception in its update) never stops the
 others: its error is recorded in `table()` and the log, and it takes no more steps.
 
-What it does not do: restart a lost server (a single GRPORun does; here every experiment then
-fails with the server's error), resume, pipeline rollouts a step ahead, or release the server's
-memory around updates. Several kernels attaching to one sweep is not built yet.
+A lost server is restarted (at most SweepConfig.max_restarts times over the sweep), every
+experiment's newest version loaded again, and the phase each was in redone (serving.py).
+
+What it does not do: resume, pipeline rollouts a step ahead, watch for a hung server, or release
+the server's memory around updates. Several kernels attaching to one sweep is not built yet.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from ..run.config import CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARN
 from ..run.rundir import archive_earlier_run
 from .experiment import Experiment
 from .memory import sweep_fit
+from .serving import SharedServer
 from .trainer import LoraSpec, MultiTrainer
 from .view import LiveSweep, sweep_table
 
@@ -77,6 +80,8 @@ class SweepConfig:
     """The server's key (serving.ServerConfig.api_key)."""
     check_memory: bool = True
     """Refuse up front a sweep whose experiments do not fit in memory (memory.py)."""
+    max_restarts: int = 2
+    """Server restarts allowed over the sweep (serving.py); spent, every experiment stops with the cause."""
 
 
 class Sweep:
@@ -89,11 +94,21 @@ class Sweep:
         self.run_dir = Path(cfg.run_dir)
         self.configs = {name: replace(c, run_dir=str(self.run_dir / name)) for name, c in experiments.items()}
         self.experiments: dict[str, Experiment] = {}
-        self.plan = self.server = self.client = self.multi = None
+        self.plan = self.server = self.shared = self.multi = None
         self.model_dir: str | None = None
         self._turn: asyncio.Lock | None = None  # the trainer's turn, per event loop
         self._turn_loop = None
         self._lock = RunDirLock(self.run_dir)
+
+    @property
+    def client(self):
+        """The server's client (a new one after each restart)."""
+        return self.shared.client if self.shared is not None else None
+
+    @property
+    def restarts(self) -> int:
+        """Server restarts so far."""
+        return self.shared.restarts if self.shared is not None else 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Sweep":
@@ -123,7 +138,7 @@ class Sweep:
         self.server, self.multi = start_while(lambda: start_server(self._server_config(engine)),
                                               lambda: MultiTrainer(self.model_dir, cfg.lora,
                                                                    micro_batch_tokens=cfg.micro_batch_tokens))
-        self.client = self.server.client()
+        self.shared = SharedServer(self.server, cfg.max_restarts)
         for name, task in tasks.items():
             self._add(name, self.configs[name], task)
 
@@ -155,7 +170,7 @@ class Sweep:
         lora = LoraSpec(cfg.lora_rank, cfg.lora_alpha, self.cfg.lora.target_modules)
         self.multi.add(name, lora, self.learning_rate(cfg), cfg.seed, grpo=replace(cfg.grpo, temperature=cfg.temperature))
         tol = 0.02 if self.multi.device.type == "cpu" else 0.25
-        exp = self.experiments[name] = Experiment(name, cfg, task, self.multi, self.client, tol)
+        exp = self.experiments[name] = Experiment(name, cfg, task, self.multi, self.shared, tol)
         return exp
 
     def add(self, name: str, cfg: RunConfig) -> Experiment:
@@ -174,6 +189,7 @@ class Sweep:
         for version in exp.publisher.served:
             await exp.client.unload_adapter(version.name)
         exp.publisher.served.clear()
+        self.shared.publishers.remove(exp.publisher)
         self.multi.remove(name)
         self.configs.pop(name, None)
 

@@ -74,6 +74,11 @@ def test_each_reload_unloads_only_the_experiments_own_old_version(sweep, stepped
     assert set(held) == {"slow-step-2", "fast-step-2", "broken-step-0"}
 
 
+def test_the_server_has_room_for_every_experiments_adapter_in_one_batch(sweep):
+    info = asyncio.run(sweep.client.server_info())
+    assert info["max_loras_per_batch"] == 4 and info["max_lora_rank"] == 16  # 3 experiments and the base model
+
+
 def test_the_server_answers_an_adapter_name_with_that_experiments_weights(sweep, stepped):
     ids = sweep.multi.tokenizer.encode("What is 3 + 4? The answer is 7, and 5 + 2 is 7 too.")
     served = {n: asyncio.run(sweep.client.score(ids, adapter=f"{n}-step-2")) for n in ("slow", "fast")}
@@ -129,3 +134,35 @@ def test_more_experiments_than_fit_are_refused_up_front_with_the_numbers(tmp_pat
     with pytest.raises(TooManyExperimentsError, match=r"refused before starting anything: 2 experiments.*at most 1"):
         s.start()
     assert s.server is None and s.multi is None
+
+
+def test_a_server_lost_mid_rollouts_is_restarted_and_every_experiment_steps_on(sweep, stepped, monkeypatch):
+    """The server is SIGKILLed by the 3rd reply of `slow`'s step: both experiments' rollouts fail, one
+    restart serves them both (each one's newest version loaded again) and both steps complete."""
+    import os
+    import signal
+
+    exp = sweep.experiments["slow"]
+    replies, make_env = [], exp.source.task.make_env
+
+    def factory(seed):
+        env = make_env(seed)
+        reply_to = env.step
+
+        def step(reply):
+            replies.append(reply)
+            if len(replies) == 3:
+                os.killpg(sweep.server.pid, signal.SIGKILL)
+                sweep.server.proc.wait(timeout=30)
+            return reply_to(reply)
+        env.step = step
+        return env
+
+    monkeypatch.setattr(exp.source, "task", replace(exp.source.task, factory=factory))
+    before = sweep.server.pid
+    rows = asyncio.run(sweep.step())
+    assert sweep.restarts == 1 and sweep.server.pid != before
+    assert rows["slow"]["step"] == 3 and rows["fast"]["step"] == 3, sweep.table()[["status", "error"]]
+    assert len(replies) > 8  # the step's rollouts were redone after the restart
+    held = asyncio.run(sweep.client.list_adapters())
+    assert {"slow-step-3", "fast-step-3"} <= set(held) and not {"slow-step-2", "fast-step-2"} & set(held)

@@ -146,7 +146,9 @@ class Experiment:
         await self.publisher.publish(self.initial)
 
     async def step(self, turn: asyncio.Lock) -> dict:
-        """One GRPO step (module docstring); its history row."""
+        """One GRPO step (module docstring); its history row. Stopped before its version is served
+        (an error, or an interrupt) the trainer is rolled back to the served version, so the next
+        step redoes this one."""
         await self.serve_initial(turn)
         step = self.step_count + 1
         t0 = time.perf_counter()
@@ -154,12 +156,26 @@ class Experiment:
         rollout_s = time.perf_counter() - t0
         write_rollouts(self.run_dir, step, groups)  # first: a step without rewards leaves its completions to read
         require_rewards(groups)
+        served = self.publisher.current
+        try:
+            return await self._train_and_serve(step, groups, hit_rate, rollout_s, turn)
+        except BaseException:
+            self._roll_back(step - 1, served)
+            raise
+
+    async def _train_and_serve(self, step: int, groups, hit_rate, rollout_s: float, turn: asyncio.Lock) -> dict:
+        """update (the trainer's turn) → reload → check → row."""
         zero_adv, no_signal = constant_groups(groups)
         t_wait = time.perf_counter()
         async with turn:
             wait_s = time.perf_counter() - t_wait
             t_train = time.perf_counter()
-            metrics, version = await asyncio.to_thread(self._update, step, groups, no_signal)
+            update = asyncio.ensure_future(asyncio.to_thread(self._update, step, groups, no_signal))
+            try:
+                metrics, version = await asyncio.shield(update)
+            except BaseException:  # interrupted: the update's thread runs to its end before anything is undone
+                await asyncio.wait([update])
+                raise
             train_s = time.perf_counter() - t_train
         self.train_s += train_s
         metrics["zero_adv_groups"] = zero_adv
@@ -175,6 +191,20 @@ class Experiment:
         if self.cfg.verbose:
             print(f"{self.name}: {History.format_row(row)}", flush=True)
         return row
+
+    def _roll_back(self, before: int, served: AdapterVersion | None) -> None:
+        """The trainer back to step `before` and the `served` version's weights and optimizer, unless
+        the step's own version is served already (then the step is done, its row aside)."""
+        if self.step_count == before or served is None or self.adapter == served_name(self.name, self.step_count):
+            return
+        try:
+            with self.multi.using(self.name) as trainer:
+                trainer.load_checkpoint(served.path)
+                trainer.step = before  # a skipped update's step counts without a version of its own
+            log.warning("experiment %s: step %d undone, the trainer is back at %s", self.name, before + 1, served.name)
+        except Exception as e:  # noqa: BLE001 — the step's own error is the one to report
+            log.error("experiment %s: could not roll the trainer back to %s (%s: %s)", self.name, served.name,
+                      type(e).__name__, e)
 
     async def _publish(self, version: AdapterVersion) -> None:
         """Serve `version`, unless a restart's republish already did (the server died while unloading

@@ -16,10 +16,13 @@ adapters and history.jsonl (experiment.py).
   sweep.table()            each experiment's served adapter, step, reward, hit rate, share of
                            the trainer's time and status (its error when it failed)
   sweep.add / remove       an experiment more, or one fewer, between steps
+  sweep.retry(name)        a failed experiment steps again (its failed step was undone)
   sweep.stop()             the server, by its process group
 
-One experiment failing (its task raising, no reward, an exception in its update) never stops the
-others: its error is recorded in `table()` and the log, and it takes no more steps.
+One experiment failing (its task raising, no reward, an exception in its update or reload) never
+stops the others: its error is recorded in `table()` and the log, its step undone (the trainer back
+at its served version), and it takes no more steps until `retry`. A re-run start cell stops the
+sweep this kernel started in the same run_dir first.
 
 A lost server is restarted (at most SweepConfig.max_restarts times over the sweep), every
 experiment's newest version loaded again, and the phase each was in redone (serving.py).
@@ -53,6 +56,9 @@ from .trainer import LoraSpec, MultiTrainer
 from .view import LiveSweep, sweep_table
 
 log = logging.getLogger(__name__)
+
+_live: dict[Path, "Sweep"] = {}
+"""The sweep this kernel started last in each run_dir: a re-run start cell stops it first."""
 
 
 @dataclass
@@ -115,10 +121,14 @@ class Sweep:
         """Resolve every task, check memory, start the server while the trainer loads, add the
         experiments. A failure stops what it started before the error goes up."""
         tasks = {name: resolve_task(c.task) for name, c in self.configs.items()}  # a typo fails first
+        earlier = _live.get(self.run_dir.resolve())
+        if earlier is not None and earlier is not self:  # a re-run start cell: this kernel's earlier sweep stops
+            earlier.stop()
         for name, c in self.configs.items():  # and a LoRA the runtime cannot hold, before anything starts
             LoraSpec(c.lora_rank, c.lora_alpha, self.cfg.lora.target_modules).check_fits(self.cfg.lora, name)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
+        _live[self.run_dir.resolve()] = self
         try:
             self._start(tasks)
         except BaseException:
@@ -181,6 +191,11 @@ class Sweep:
         cfg = replace(cfg, run_dir=str(self.run_dir / name))
         self.configs[name] = cfg
         return self._add(name, cfg, resolve_task(cfg.task))
+
+    def retry(self, name: str) -> None:
+        """Let a failed experiment step again (after fixing its cause, e.g. its task): its failed
+        step was undone, so its next step redoes it."""
+        self.experiments[name].error = None
 
     async def remove(self, name: str) -> None:
         """Drop an experiment: its adapter versions unloaded from the server, its LoRA and optimizer

@@ -210,6 +210,8 @@ class Sweep:
 
     def stop(self) -> None:
         """Stop the server (by its process group) and release the sweep's lock; run dirs stay."""
+        if _live.get(self.run_dir.resolve()) is self:
+            del _live[self.run_dir.resolve()]
         try:
             if self.server is not None:
                 self.server.stop()

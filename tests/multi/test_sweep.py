@@ -191,3 +191,16 @@ def test_a_server_lost_mid_rollouts_is_restarted_and_every_experiment_steps_on(s
     assert len(replies) > 8  # the step's rollouts were redone after the restart
     held = set(asyncio.run(sweep.client.list_adapters()))
     assert held >= {f"{n}-step-{s + 1}" for n, s in steps.items()} and not held & {f"{n}-step-{s}" for n, s in steps.items()}
+
+
+def test_a_rerun_start_cell_stops_the_earlier_sweep_of_its_run_dir(tmp_path):
+    first = Sweep(SweepConfig(run_dir=str(tmp_path), engine="cpu"), {"a": _cfg()}).start()
+    try:
+        second = Sweep(SweepConfig(run_dir=str(tmp_path), engine="cpu"), {"a": _cfg()}).start()
+        try:
+            assert not first.server.alive() and not first._lock.held
+            assert asyncio.run(second.step())["a"]["step"] == 1
+        finally:
+            second.stop()
+    finally:
+        first.stop()

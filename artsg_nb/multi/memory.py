@@ -12,7 +12,7 @@ experiments holds at once, and `SweepFit.check()` refuses one that does not fit 
                       parameter) in the trainer, and two versions of its adapter in the server
                       (the served one and the next, during a reload; fp32 on the CPU engine)
 
-Against: the GPU's total memory, or on the CPU engine the memory free now (psutil).
+Against: the memory free now, on the GPU (nvidia-ml-py's reading) or on the CPU (psutil).
 
 What it does not do: measure anything or read the GPU (serving.gpus does), or count a hub id's
 model (no config.json to read: the sweep then starts without the check, and says so).
@@ -70,7 +70,7 @@ class SweepFit:
                 f"{self.shared_gib:.2f} GiB once (server and trainer weights, {self.weights_gib:.2f} GiB each, KV "
                 f"and activations) + {self.experiments} x {self.per_experiment_gib:.3f} GiB (each one's LoRA with "
                 f"gradients and AdamW moments, and {SERVED_VERSIONS} served versions); {self.available_gib:.2f} GiB "
-                f"{'free' if self.where == 'CPU' else 'on the GPU'}")
+                f"free on the {self.where}")
 
     def check(self) -> "SweepFit":
         """Self when it fits, else TooManyExperimentsError with the numbers and what to try."""
@@ -84,9 +84,9 @@ class SweepFit:
 def sweep_fit(model_dir: str | Path, experiments: int, rank: int, gpu_total_bytes: int | None = None,
               available_bytes: int | None = None, server_share: float = COLOCATED_MEM_FRACTION) -> SweepFit | None:
     """The estimate for `experiments` LoRAs of `rank` on the model at `model_dir`: on a GPU of
-    `gpu_total_bytes` (server and trainer colocated, the server with `server_share` of it), else on
-    the CPU against `available_bytes` (default: psutil's available memory now). None when
-    `model_dir` is not a model directory (a hub id)."""
+    `gpu_total_bytes` (server and trainer colocated, the server with `server_share` of it) against
+    `available_bytes` of it free (default: all of it), else on the CPU against `available_bytes`
+    (default: psutil's available memory now). None when `model_dir` is not a model directory (a hub id)."""
     model = ModelMemory.from_dir(model_dir, lora_rank=rank)
     if model is None:
         return None
@@ -96,7 +96,7 @@ def sweep_fit(model_dir: str | Path, experiments: int, rank: int, gpu_total_byte
         server = max(server_share * gpu_total_bytes, model.weights + KV_HEADROOM_TOKENS * model.kv_per_token)
         shared = server + model.weights + activations + LAUNCH_RESERVE_MIB * 2**20
         per = model.lora + SERVED_VERSIONS * 2 * lora_params  # bf16 in SGLang's pool
-        where, available = "GPU", gpu_total_bytes
+        where, available = "GPU", available_bytes if available_bytes is not None else gpu_total_bytes
     else:
         shared = 2 * model.weights + activations  # the CPU engine's copy and the trainer's
         per = model.lora + SERVED_VERSIONS * 4 * lora_params

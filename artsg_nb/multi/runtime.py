@@ -157,8 +157,10 @@ class Sweep:
         if not self.cfg.check_memory:
             return
         gpus = self.plan.gpus if self.plan is not None and self.plan.mode != "cpu" else []
+        gpu = gpus[0] if gpus else None
         fit = sweep_fit(self.model_dir, experiments, self.cfg.lora.rank,
-                        gpu_total_bytes=gpus[0].mem_total_mib * 2**20 if gpus else None)
+                        gpu_total_bytes=int(gpu.mem_total_mib * 2**20) if gpu else None,
+                        available_bytes=int((gpu.mem_total_mib - gpu.mem_used_mib) * 2**20) if gpu else None)
         if fit is None:
             log.warning("sweep: %s is not a model directory; starting without the memory check", self.model_dir)
             return

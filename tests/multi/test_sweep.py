@@ -126,6 +126,8 @@ def test_more_experiments_than_fit_are_refused_up_front_with_the_numbers(tmp_pat
         small.check()
     gpu = sweep_fit(tiny_model_dir, 4, 16, gpu_total_bytes=80 * 2**30)
     assert gpu.where == "GPU" and gpu.fits()
+    busy = sweep_fit(tiny_model_dir, 4, 16, gpu_total_bytes=80 * 2**30, available_bytes=30 * 2**30)
+    assert not busy.fits() and "GiB free on the GPU" in busy.describe()  # the server's share alone is 36 GiB
 
     import artsg_nb.multi.memory as memory
     free = int((fit.shared_gib + 1.5 * fit.per_experiment_gib) * 2**30)

@@ -52,7 +52,7 @@ from ..run.rundir import archive_earlier_run
 from .experiment import Experiment
 from .memory import sweep_fit
 from .serving import SharedServer
-from .trainer import LoraSpec, MultiTrainer
+from .trainer import IDLE_ADAPTER, NAME_PATTERN, LoraSpec, MultiTrainer
 from .view import LiveSweep, sweep_table
 
 log = logging.getLogger(__name__)
@@ -90,12 +90,22 @@ class SweepConfig:
     """Server restarts allowed over the sweep (serving.py); spent, every experiment stops with the cause."""
 
 
+def check_name(name: str) -> None:
+    """An experiment's name prefixes its served adapters (`<name>-step-N`) and names its run dir."""
+    if not NAME_PATTERN.match(name) or name == IDLE_ADAPTER or "-step-" in name:
+        raise ValueError(f"experiment name {name!r}: use letters, digits, '-' and '_' (at most 64, without "
+                         f"'-step-', not {IDLE_ADAPTER!r}); it names its run dir and prefixes its served adapters "
+                         "(<name>-step-N)")
+
+
 class Sweep:
     """N experiments on one server and one trainer (module docstring)."""
 
     def __init__(self, cfg: SweepConfig, experiments: dict[str, RunConfig]):
         if not experiments:
             raise ValueError("a sweep needs at least one experiment: Sweep(cfg, {'name': RunConfig(...)})")
+        for name in experiments:
+            check_name(name)
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.configs = {name: replace(c, run_dir=str(self.run_dir / name)) for name, c in experiments.items()}
@@ -187,6 +197,7 @@ class Sweep:
 
     def add(self, name: str, cfg: RunConfig) -> Experiment:
         """One more experiment on the running sweep (its memory checked with the others')."""
+        check_name(name)
         if name in self.experiments:
             raise ValueError(f"the sweep has an experiment {name!r} already; pick another name")
         self.check_memory(len(self.experiments) + 1)

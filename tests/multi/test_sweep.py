@@ -109,6 +109,12 @@ def test_first_step_samples_and_rewards_equal_the_experiment_run_alone(sweep, st
     assert not any(n.startswith("slow-alone") for n in asyncio.run(sweep.client.list_adapters()))
 
 
+@pytest.mark.parametrize("name", ["lr.1", "a-step-1", "default", ""])
+def test_a_name_that_cannot_prefix_served_adapters_is_refused(tmp_path, name):
+    with pytest.raises(ValueError, match="experiment name"):
+        Sweep(SweepConfig(run_dir=str(tmp_path)), {name: _cfg()})
+
+
 def test_a_lora_the_runtime_was_not_started_for_is_refused_before_anything_starts(tmp_path):
     s = Sweep(SweepConfig(run_dir=str(tmp_path), engine="cpu", lora=LoraSpec(rank=8)),
               {"a": _cfg(lora_rank=8), "wide": _cfg(lora_rank=16)})

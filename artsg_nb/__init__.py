@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "RunConfig": "run.config", "GRPORun": "run.session",
+    "Sweep": "multi.runtime", "SweepConfig": "multi.runtime", "LoraSpec": "multi.trainer",
     "GRPOConfig": "rl.grpo",
     "ServerConfig": "serving.server", "start_server": "serving.server",
     "list_gpus": "serving.gpus", "plan_gpus": "serving.gpus",

@@ -26,10 +26,10 @@ def read(path: Path):
     return nbformat.read(path, as_version=4)
 
 
-def test_the_five_notebooks_exist():
+def test_the_six_notebooks_exist():
     assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_multi_turn_agent.ipynb",
                                            "03_vllm_vs_sglang.ipynb", "04_bring_your_own_task.ipynb",
-                                           "05_art_drop_in.ipynb"]
+                                           "05_art_drop_in.ipynb", "06_sweep.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

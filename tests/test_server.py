@@ -356,8 +356,8 @@ def test_cpu_engine_command():
     cfg = ServerConfig("cpu", "/m", "r", port=5, api_key="k", disable_radix_cache=True, mem_fraction=0.3)
     assert build_command(cfg, python="py") == [
         "py", "-m", "artsg_nb.cpu_engine", "--model-path", "/m", "--host", "127.0.0.1", "--port", "5",
-        "--max-lora-rank", "16", "--lora-target-modules", *MODULES, "--enable-cache-report",
-        "--disable-radix-cache"]
+        "--max-lora-rank", "16", "--lora-target-modules", *MODULES, "--max-loras-per-batch", "4",
+        "--enable-cache-report", "--disable-radix-cache"]
     assert build_env(cfg, api_key="k")["ARTSG_CPU_ENGINE_API_KEY"] == "k"
     assert cfg.timeout_s == 120 and ServerConfig("sglang", "/m", "r").timeout_s == 600
 

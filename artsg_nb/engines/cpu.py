@@ -19,7 +19,8 @@ def launch_args(cfg, port: int) -> list[str]:
     """The flags for a server.ServerConfig `cfg` listening on `port`."""
     args = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(port),
             "--max-lora-rank", str(cfg.max_lora_rank),
-            "--lora-target-modules", *cfg.lora_target_modules, "--enable-cache-report"]
+            "--lora-target-modules", *cfg.lora_target_modules,
+            "--max-loras-per-batch", str(cfg.max_loras_per_batch), "--enable-cache-report"]
     args += ["--enable-memory-saver"] if cfg.enable_memory_saver else []
     args += ["--enable-weights-cpu-backup"] if cfg.enable_weights_cpu_backup else []
     return args + (["--disable-radix-cache"] if cfg.disable_radix_cache else [])

@@ -122,13 +122,18 @@ class Batch:
 class Trainer:
     """Holds the PEFT model and optimizer; `train_step(groups)` is one GRPO update."""
 
-    def __init__(self, cfg: TrainerConfig):
+    def __init__(self, cfg: TrainerConfig, loaded: tuple | None = None, adapter_name: str = "default"):
+        """`loaded`: a (PEFT model, tokenizer, backend) already loaded, whose active adapter
+        `adapter_name` is the one this trainer trains (multi.MultiTrainer: one Trainer per
+        experiment on one copy of the base model); None loads cfg.model_path with one adapter."""
         self.cfg = cfg
         self.step = 0
+        self.adapter_name = adapter_name
+        """The PEFT adapter this trainer trains, saves and restores."""
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.device = _pick_device(cfg.device)
-        self.model, self.tokenizer, self.backend = _load_model(cfg, self.device)
+        self.model, self.tokenizer, self.backend = loaded if loaded is not None else _load_model(cfg, self.device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         """The adapter's parameters, as the optimizer holds them: listed once, as walking the model
         for them took 1.5-3.5 ms at every update and every save (SmolLM2, 2026-12-06)."""
@@ -450,7 +455,7 @@ class Trainer:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._adapter_staging.save(self._adapter_state(), path / ADAPTER_FILE, metadata={"format": "pt"})
-        config = self.model.peft_config["default"]
+        config = self.model.peft_config[self.adapter_name]
         inference_mode, config.inference_mode = config.inference_mode, True  # as save_pretrained writes it
         try:
             config.save_pretrained(str(path))
@@ -467,7 +472,7 @@ class Trainer:
         live = tuple(p.data_ptr() for p in self.trainable)
         if self._adapter_views is not None and self._adapter_views[0] == live:
             return self._adapter_views[1]
-        state = get_peft_model_state_dict(self.model)
+        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
         ptrs = set(live)
         views = all(t.data_ptr() in ptrs and t.numel() == t.untyped_storage().nbytes() // t.element_size()
                     for t in state.values())
@@ -535,7 +540,7 @@ class Trainer:
             if key in saved and _jsonable(getattr(self.cfg, key)) != saved[key]:
                 raise CheckpointError(f"checkpoint {path} was trained with {key}={saved[key]!r} but this run "
                                       f"has {getattr(self.cfg, key)!r}; use the same LoRA settings or a new run dir")
-        set_peft_model_state_dict(self.model, weights)
+        set_peft_model_state_dict(self.model, weights, adapter_name=self.adapter_name)
         optimizer_from_tensors(self.optimizer, tensors, state["optimizer"])
         torch.set_rng_state(tensors["rng.torch"])
         random.setstate(_tuplify(state["python_random"]))

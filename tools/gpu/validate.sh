@@ -86,6 +86,12 @@
 #   colocated-pair  tools/gpu/colocated_pair.py: two SGLang workers of a colocated fleet on this GPU started
 #               as Fleet.start does (in turn, each at its share of the total over the free memory), no router;
 #               both must answer a request ($OUT/colocated_pair.json; worker logs under $OUT/pair)
+#   sweep-smol  issue 51: an lr sweep of SWEEP_EXPERIMENTS (4) experiments on one SGLang server and one trainer,
+#               together vs the same ones one after another (python -m artsg_nb.multi.bench), SmolLM2 (after the
+#               smollm2 phase), addition_chat 16 x 8 at SWEEP_TOKENS (256) new tokens, SWEEP_STEPS (6) steps each;
+#               steps/s of both, the time split, first-step rewards equal; $OUT/sweep_smol.json
+#   sweep-7b    the same at the 7B random shape (/tmp/models/random-7b, built when missing), SWEEP_7B_STEPS (2)
+#               steps each; $OUT/sweep_7b.json
 #   art-tiny    notebooks/05 on the shipped tiny model and SGLang: counts trajectories left out for token
 #               ids the server did not send (needs the art, art-polars, web and kernel sets)
 set -uo pipefail
@@ -221,6 +227,17 @@ for p in "$@"; do
                  phase scale-out 540 python3 benchmarks/scale_out_gpu.py --model "${SCALE_MODEL:-$M}" --task addition_chat \
                    --max-new-tokens ${SCALE_TOKENS:-256} --out "$OUT/scale_out.csv"
                  grep -E '^\|' "$OUT/scale-out.log" | sed 's/^/    /' ;;
+    sweep-smol|sweep-7b)
+                 M=$SMOL; STEPS=${SWEEP_STEPS:-6}
+                 if [[ $p == sweep-7b ]]; then
+                   M=/tmp/models/random-7b; STEPS=${SWEEP_7B_STEPS:-2}
+                   TOK=${RANDOM_TOKENIZER:-$SMOL}; [[ -f $TOK/tokenizer_config.json ]] || TOK=$PWD/.tok/smollm2
+                   [[ -f $M/.complete ]] || python3 -m artsg_nb.models random --shape 7b $M --tokenizer $TOK >"$OUT/sweep-build.log" 2>&1
+                 fi
+                 phase "$p" "${SWEEP_LIMIT_S:-560}" python3 -m artsg_nb.multi.bench --model $M --task addition_chat \
+                   --experiments ${SWEEP_EXPERIMENTS:-4} --steps $STEPS --groups-per-step 16 --group-size 8 \
+                   --max-new-tokens ${SWEEP_TOKENS:-256} --run-dir /tmp/runs/$p --out "$OUT/${p/-/_}.json"
+                 grep -E 'experiments x|together:|one after|first-step|errors' "$OUT/$p.log" | cut -c1-300 | sed 's/^/    /' ;;
     *) echo "unknown phase $p"; FAILS=$((FAILS + 1)) ;;
   esac
 done

@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", default="/tmp/runs/update-spikes")
     p.add_argument("--label", default=os.environ.get("CUDA_MODULE_LOADING", "default"))
     p.add_argument("--out")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over each step: its top operators by their own CPU time, and the GPU's kernel time")
     a = p.parse_args(argv)
     import torch
     from artsg_nb import GRPORun, RunConfig
@@ -37,12 +39,14 @@ def main(argv=None) -> int:
     try:
         for _ in range(a.steps):
             segments = segments_now()
-            row = asyncio.run(run.step())
+            prof = _profiler(a.profile)
+            with prof:
+                row = asyncio.run(run.step())
             timing = run.trainer.last_update
             step = {"step": row["step"], "train_s": row.get("train_s"), "tokens": row.get("tokens"),
                     "completion_tokens": row.get("completion_tokens"),
                     "new_segments": segments_now() - segments,
-                    "trl_triton_kernels": _trl_kernels(),
+                    "trl_triton_kernels": _trl_kernels(), "top_ops": _top_ops(prof) if a.profile else None,
                     "timing": asdict(timing) if timing else None}
             steps.append(step)
             print(json.dumps(step), flush=True)
@@ -56,6 +60,23 @@ def main(argv=None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps({"label": a.label, "median_s": median, "steps": steps}, indent=1))
     return 0
+
+
+def _profiler(on: bool):
+    import contextlib
+    if not on:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def _top_ops(prof, top: int = 8) -> dict:
+    """The step's operators with the most CPU time of their own, and the GPU's total kernel time."""
+    events = prof.key_averages()
+    device = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e6
+    ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"gpu_kernels_s": round(device, 4),
+            "cpu": [(e.key[:60], e.count, round(e.self_cpu_time_total / 1e6, 4)) for e in ranked]}
 
 
 def _trl_kernels():

@@ -134,7 +134,7 @@ for p in "$@"; do
                  SHIPPED=$PWD/artsg_nb/models/shipped/tiny-s0-p800
                  for mode in LAZY EAGER; do
                    phase update-spikes-$mode 200 env CUDA_MODULE_LOADING=$mode ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/update_spikes.py \
-                     --model $SHIPPED --steps ${SPIKE_STEPS:-20} --run-dir /tmp/runs/spikes-$mode --label $mode --out "$OUT/update-spikes-$mode.json"
+                     --model $SHIPPED --steps ${SPIKE_STEPS:-20} --run-dir /tmp/runs/spikes-$mode --label $mode --out "$OUT/update-spikes-$mode.json" $([[ $mode == LAZY ]] && echo --profile)
                    grep -E '^(LAZY|EAGER):' "$OUT/update-spikes-$mode.log" | cut -c1-300 | sed 's/^/    /'
                  done ;;
     models)      phase models 240 bash -c "python3 -m artsg_nb.models tiny $TINY && python3 -m artsg_nb.models tiny $BIG --size 0.5b" ;;

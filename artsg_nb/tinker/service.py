@@ -26,8 +26,8 @@ import itertools
 import logging
 import random
 import re
-import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -92,7 +92,9 @@ class TinkerService:
         """Sampling session id → its checkpoint's tinker path (None: the base model)."""
         self.checkpoints: dict[str, Checkpoint] = {}
         self._ids = itertools.count(1)
-        self._trainer_lock = threading.Lock()
+        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="tinker-trainer")
+        """Every trainer call runs on this one thread: one at a time, and torch's per-thread state
+        (its intra-op pool) is set up once, not on each of asyncio's worker threads."""
 
     # ---- sessions and models --------------------------------------------------------------------
     def create_session(self) -> str:
@@ -202,14 +204,13 @@ class TinkerService:
         return self.futures.submit(run, f"optim_step of {model.model_id}", dedupe=dedupe)
 
     async def _on_trainer(self, fn: Callable, *args, **kwargs):
-        """`fn` in a worker thread, one trainer call at a time (the experiments time-share it)."""
+        """`fn` on the trainer's thread, one call at a time (the experiments time-share it)."""
         def call():
-            with self._trainer_lock:
-                try:
-                    return fn(*args, **kwargs)
-                except (ValueError, NotImplementedError) as e:  # the request asked for what cannot be done
-                    raise RequestFailed(f"{type(e).__name__}: {e}") from e
-        return await asyncio.to_thread(call)
+            try:
+                return fn(*args, **kwargs)
+            except (ValueError, NotImplementedError) as e:  # the request asked for what cannot be done
+                raise RequestFailed(f"{type(e).__name__}: {e}") from e
+        return await asyncio.get_running_loop().run_in_executor(self._trainer_thread, call)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def save_weights(self, body: SaveWeights, kind: str) -> str:

@@ -161,3 +161,24 @@ def test_requests_it_cannot_serve_say_what_is_supported(client, runtime):
         assert wrong.status_code == 401
         other = http.post("/api/v1/copy_weights", json={}, headers={"X-API-Key": api.api_key})
         assert other.status_code == 404 and "supported under /api/v1: create_session" in other.json()["detail"]
+
+
+@pytest.mark.slow
+def test_the_cookbook_rl_loop_runs_against_the_local_runtime(runtime, tiny_model_dir, capsys):
+    """The cookbook's RL loop, small (rl_loop.py), for 10 steps: every step samples from the
+    adapter the step before trained, and the reward of the addition task rises."""
+    from artsg_nb.tinker.rl_loop import main
+
+    api, trainer, service = runtime
+    rows = main(["--base-url", api.base_url, "--api-key", api.api_key, "--base-model", str(tiny_model_dir),
+                 "--steps", "10", "--groups", "4", "--group-size", "6", "--learning-rate", "3e-3"])
+    assert [r["step"] for r in rows] == list(range(10))
+    model_id = trainer.calls[-1][1]
+    calls = [c[0] for c in trainer.calls if c[1] == model_id]
+    trained = sum(r["datums"] > 0 for r in rows)
+    assert calls.count("optim_step") == trained >= 8, f"steps without signal: {rows}"
+    assert calls.count("save_adapter") == 10
+    first, late = rows[0]["reward"], sum(r["reward"] for r in rows[-3:]) / 3
+    assert late >= first + 0.15, f"reward should rise: {[round(r['reward'], 3) for r in rows]}"
+    assert "step 9 | reward" in capsys.readouterr().out
+    assert model_id not in service.models, "closing the client removes its model from the trainer"

@@ -4,8 +4,8 @@ What it does: keeps the client's sessions, its training models (one experiment o
 each, named by model id), its checkpoints (`tinker://<model>/sampler_weights/<name>` and
 `tinker://<model>/weights/<name>`, folders under `root`) and its sampling sessions, and runs the
 operations the server's routes submit as futures:
-- create_model: `trainer.add` with the client's LoRA rank and seed;
-- forward_backward (and forward-only): `trainer.forward_backward` on TokenDatums, the targets'
+- create_model: `trainer.add` with the client's LoRA rank and seed (inside the runtime's LoRA shape);
+- forward_backward (and forward-only): `trainer.forward_backward` on multi.losses.Datums, the targets'
   logprobs and the loss back; optim_step: `trainer.optim_step` with the client's AdamParams;
 - save_weights_for_sampler: `trainer.save_adapter`, then the inference server loads the adapter
   under its own name; save_weights (save_state): the adapter only (no optimizer state);
@@ -30,7 +30,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ..engines.base import SamplingParams
 from .backend import LoraRequest, Sampler, Trainer
@@ -76,15 +76,15 @@ class TinkerService:
     """The state and operations behind the Tinker routes (see the module docstring)."""
 
     def __init__(self, trainer: Trainer, sampler: Sampler, base_model: str, root: str | Path, *,
-                 aliases: tuple[str, ...] = (), make_lora: Callable[[LoraRequest], Any] = lambda r: r,
-                 keep_loaded: int = 2, timeout_s: float = 900.0):
+                 aliases: tuple[str, ...] = (), keep_loaded: int = 2, timeout_s: float = 900.0):
         """`base_model`: the model path (also the tokenizer the client loads); `aliases`: other
         names a client may ask for it by (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct").
-        `make_lora`: LoraRequest → what trainer.add takes. `timeout_s`: each operation's deadline."""
+        `keep_loaded`: sampler adapters per model kept on the inference server. `timeout_s`: each
+        operation's deadline."""
         self.trainer, self.sampler, self.base_model = trainer, sampler, base_model
         self.names = {base_model, Path(base_model).name, *aliases}
         self.root = Path(root)
-        self.make_lora, self.keep_loaded = make_lora, keep_loaded
+        self.keep_loaded = keep_loaded
         self.futures = Futures(timeout_s)
         self.sessions: dict[str, set[str]] = {}
         self.models: dict[str, Model] = {}
@@ -130,7 +130,7 @@ class TinkerService:
         async def run() -> dict:
             async with model.lock:
                 try:
-                    await self._on_trainer(self.trainer.add, model.model_id, self.make_lora(lora), 1e-4, model.seed)
+                    await self._on_trainer(self._add, model)
                 except BaseException:  # never made: nothing to remove later
                     self.models.pop(model.model_id, None)
                     self.sessions.get(model.session_id, set()).discard(model.model_id)
@@ -139,6 +139,9 @@ class TinkerService:
             return {"model_id": model.model_id, "type": "create_model"}
 
         return self.futures.submit(run, f"create_model {model.model_id}")
+
+    def _add(self, model: Model) -> None:
+        self.trainer.add(model.model_id, model.lora.spec(self.trainer.lora), 1e-4, model.seed)
 
     def check_base_model(self, name: str) -> None:
         if name not in self.names:
@@ -175,13 +178,11 @@ class TinkerService:
         return self.futures.submit(run, what, dedupe=(model.model_id, req.seq_id) if req.seq_id else None)
 
     def _forward(self, name: str, req: FwdBwd) -> dict:
-        """Forward only: the targets' logprobs (trainer.score on the input and its last target)."""
+        """Forward only: the targets' logprobs (trainer.score of each datum's sequence)."""
         logprobs = []
         for i, d in enumerate(req.data):
-            if d.input_ids[1:] != d.target_ids[:-1]:
-                raise RequestFailed(f"forward: datum {i}'s targets are not its input shifted by one; only that "
-                                    "form is supported without a backward pass")
-            logprobs.append(list(self.trainer.score(name, d.input_ids + d.target_ids[-1:])))
+            d.check("cross_entropy", i)
+            logprobs.append(list(self.trainer.score(name, d.sequence())))
         loss = -sum(w * lp for d, lps in zip(req.data, logprobs) for w, lp in zip(d.weights, lps))
         return {"loss": loss, "logprobs": logprobs}
 

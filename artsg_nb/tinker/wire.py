@@ -1,8 +1,8 @@
 """The Tinker API's wire formats, as the `tinker` client (0.38) sends and reads them.
 
 What it does: pydantic models of the JSON request bodies the service reads (fields the client
-sends and the service does not use are ignored), the conversion of a Tinker `Datum` into a
-backend.TokenDatum (checking the inputs its loss function needs), and the protobuf bodies the
+sends and the service does not use are ignored), the conversion of a Tinker `Datum` into the
+trainer's multi.losses.Datum (checking the inputs its loss function needs), and the protobuf bodies the
 client uses for forward_backward requests and for the results of forward_backward and sample
 (`tinker.proto.tinker_public_pb2`, the client's own schema: tokens as little-endian int32 bytes,
 floats as float32 bytes, per-datum arrays concatenated with int64 byte offsets).
@@ -22,7 +22,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .backend import LOSS_FUNCTIONS, TokenDatum
+from ..multi.losses import Datum
+from .backend import LOSS_FUNCTIONS
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 
@@ -151,15 +152,17 @@ class RetrieveFuture(_Body):
 class FwdBwd(BaseModel):
     """A forward_backward request, from either wire format."""
 
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
     model_id: str
     seq_id: int | None
     loss_fn: str
     loss_fn_config: dict[str, Any] | None
-    data: list[TokenDatum]
+    data: list[Datum]
     forward_only: bool = False
 
 
-# ---- Datum → TokenDatum -------------------------------------------------------------------------
+# ---- Tinker's Datum → the trainer's -----------------------------------------------------------------------
 def check_loss_fn(loss_fn: str, config: dict | None) -> None:
     """WireError unless `loss_fn` is one the service trains with, without a loss_fn_config."""
     if loss_fn not in LOSS_FUNCTIONS:
@@ -171,8 +174,9 @@ def check_loss_fn(loss_fn: str, config: dict | None) -> None:
                         "ppo/cispo clip thresholds are not supported.")
 
 
-def token_datum(tokens: list[int], inputs: dict[str, list[float]], loss_fn: str, where: str) -> TokenDatum:
-    """One Datum (its model input's tokens, its loss_fn_inputs as flat lists) as a TokenDatum."""
+def token_datum(tokens: list[int], inputs: dict[str, list[float]], loss_fn: str, where: str) -> Datum:
+    """One Tinker Datum (its model input's tokens, its loss_fn_inputs as flat lists) as the
+    trainer's; weights default to 1 on every position (as Tinker's)."""
     needed, optional = LOSS_INPUTS[loss_fn]
     missing, unknown = needed - inputs.keys(), inputs.keys() - needed - optional
     if missing or unknown:
@@ -183,10 +187,10 @@ def token_datum(tokens: list[int], inputs: dict[str, list[float]], loss_fn: str,
     if bad or n == 0:
         raise WireError(f"{where}: every loss_fn_input needs one value per model-input token ({n}); got {bad}")
     weights = [float(w) for w in inputs.get("weights", [1.0] * n)]
-    return TokenDatum(input_ids=[int(t) for t in tokens], target_ids=[int(t) for t in inputs["target_tokens"]],
-                      weights=weights,
-                      advantages=[float(a) for a in inputs["advantages"]] if "advantages" in inputs else None,
-                      sampling_logprobs=[float(x) for x in inputs["logprobs"]] if "logprobs" in inputs else None)
+    return Datum(input_tokens=[int(t) for t in tokens], target_tokens=[int(t) for t in inputs["target_tokens"]],
+                 weights=weights,
+                 advantages=[float(a) for a in inputs["advantages"]] if "advantages" in inputs else None,
+                 logprobs=[float(x) for x in inputs["logprobs"]] if "logprobs" in inputs else None)
 
 
 def text_tokens(chunks: list[ChunkBody], where: str) -> list[int]:

@@ -1,6 +1,7 @@
-"""artsg_nb.tinker: the real `tinker` client trains and samples through the local server — the tiny
-model's LoRA trainer (peft_trainer.PeftTrainer) and the CPU engine — and a request the server
-cannot serve is an error that names what it can."""
+"""artsg_nb.tinker: the real `tinker` client trains and samples through the local server — a
+MultiTrainer on the tiny model and the CPU engine — and a request the server cannot serve is an
+error that names what it can."""
+import math
 import os
 
 import pytest
@@ -10,12 +11,12 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")  # the client would report its ow
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
-from peft_trainer import PeftTrainer  # noqa: E402
 from tinker import types  # noqa: E402
 
 from artsg_nb.serving.server import ServerConfig, start_server  # noqa: E402
 from artsg_nb.tinker import TinkerServer, TinkerService  # noqa: E402
-from artsg_nb.tinker.backend import TokenDatum  # noqa: E402
+from artsg_nb.multi.losses import Datum  # noqa: E402
+from artsg_nb.multi.trainer import LoraSpec, MultiTrainer  # noqa: E402
 from artsg_nb.tinker.wire import fwdbwd_from_proto, fwdbwd_output_proto, sample_response_proto  # noqa: E402
 
 
@@ -30,8 +31,8 @@ def test_a_forward_backward_body_reads_back_as_the_client_wrote_it():
         data=[datum], loss_fn="importance_sampling"))
     req = fwdbwd_from_proto(forward_backward_request_to_proto(request).SerializeToString())
     assert (req.model_id, req.seq_id, req.loss_fn, req.forward_only) == ("m", 3, "importance_sampling", False)
-    assert req.data == [TokenDatum(input_ids=[5, 6, 7], target_ids=[6, 7, 8], weights=[1.0, 1.0, 1.0],
-                                   advantages=[0.0, 1.0, 1.0], sampling_logprobs=[0.0, -0.5, -1.25])]
+    assert req.data == [Datum(input_tokens=[5, 6, 7], target_tokens=[6, 7, 8], weights=[1.0, 1.0, 1.0],
+                              advantages=[0.0, 1.0, 1.0], logprobs=[0.0, -0.5, -1.25])]
 
 
 def test_results_read_back_with_the_clients_deserializers():
@@ -55,7 +56,7 @@ def runtime(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tinker")
     server = start_server(ServerConfig(engine="cpu", model_path=str(tiny_model_dir), run_dir=str(root / "engine"),
                                        max_lora_rank=16, max_loras_per_batch=8))
-    trainer = PeftTrainer(tiny_model_dir)
+    trainer = MultiTrainer(str(tiny_model_dir), lora=LoraSpec(rank=16), device="cpu", max_grad_norm=math.inf)
     service = TinkerService(trainer, server.client(), base_model=str(tiny_model_dir), root=root / "checkpoints",
                             aliases=("tiny",))
     try:
@@ -101,7 +102,7 @@ def test_training_changes_the_adapter_and_sampling_serves_the_saved_one(client, 
         assert "grad_norm" in step.result().metrics
     losses.append(tc.forward([datum], "cross_entropy").result().metrics["loss:sum"])  # no update
     assert losses[-1] < losses[0] - 0.5, f"the answer's loss should fall: {losses}"
-    assert [c for c in trainer.calls if c[1] == tc.model_id][:2] == [("add", tc.model_id), ("save_adapter", tc.model_id)]
+    assert trainer.step_of(tc.model_id) == 5
 
     path = tc.save_weights_for_sampler(name="after").result().path
     assert path == f"tinker://{tc.model_id}/sampler_weights/after"
@@ -154,7 +155,7 @@ def test_requests_it_cannot_serve_say_what_is_supported(client, runtime):
         sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2, top_k=5)).result(60)
     with pytest.raises(Exception, match="base_model 'Qwen/Qwen3-8B' is not served here"):
         client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
-    with pytest.raises(Exception, match="rank 32: this runtime's adapters have rank <= 16"):
+    with pytest.raises(Exception, match="rank 32 > the runtime's 16"):
         client.create_lora_training_client(base_model="tiny", rank=32).result()
     with httpx.Client(base_url=api.base_url, timeout=30) as http:
         wrong = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "x"}, headers={"X-API-Key": "no"})
@@ -164,21 +165,24 @@ def test_requests_it_cannot_serve_say_what_is_supported(client, runtime):
 
 
 @pytest.mark.slow
-def test_the_cookbook_rl_loop_runs_against_the_local_runtime(runtime, tiny_model_dir, capsys):
+def test_the_cookbook_rl_loop_runs_against_the_local_runtime(runtime, tiny_model_dir, capsys, monkeypatch):
     """The cookbook's RL loop, small (rl_loop.py), for 10 steps: every step samples from the
     adapter the step before trained, and the reward of the addition task rises."""
     from artsg_nb.tinker.rl_loop import main
 
     api, trainer, service = runtime
+    steps, saved = [], set(service.checkpoints)
+    optim_step = trainer.optim_step
+    monkeypatch.setattr(trainer, "optim_step", lambda name, **kw: steps.append(name) or optim_step(name, **kw))
     rows = main(["--base-url", api.base_url, "--api-key", api.api_key, "--base-model", str(tiny_model_dir),
                  "--steps", "10", "--groups", "4", "--group-size", "6", "--learning-rate", "3e-3"])
     assert [r["step"] for r in rows] == list(range(10))
-    model_id = trainer.calls[-1][1]
-    calls = [c[0] for c in trainer.calls if c[1] == model_id]
+    [model_id] = {c.model_id for k, c in service.checkpoints.items() if k not in saved}
     trained = sum(r["datums"] > 0 for r in rows)
-    assert calls.count("optim_step") == trained >= 8, f"steps without signal: {rows}"
-    assert calls.count("save_adapter") == 10
+    assert steps == [model_id] * trained and trained >= 8, f"steps without signal: {rows}"
+    assert len(set(service.checkpoints) - saved) == 10, "one sampler checkpoint per step"
     first, late = rows[0]["reward"], sum(r["reward"] for r in rows[-3:]) / 3
     assert late >= first + 0.15, f"reward should rise: {[round(r['reward'], 3) for r in rows]}"
     assert "step 9 | reward" in capsys.readouterr().out
-    assert model_id not in service.models, "closing the client removes its model from the trainer"
+    assert model_id not in service.models and model_id not in trainer.names, \
+        "closing the client removes its model from the trainer"

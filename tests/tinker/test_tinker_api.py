@@ -186,3 +186,38 @@ def test_the_cookbook_rl_loop_runs_against_the_local_runtime(runtime, tiny_model
     assert "step 9 | reward" in capsys.readouterr().out
     assert model_id not in service.models and model_id not in trainer.names, \
         "closing the client removes its model from the trainer"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_python_m_artsg_nb_tinker_serves_until_sigterm(tmp_path):
+    """The command the README gives: it prints base_url and api_key, a client trains and samples,
+    SIGTERM stops the API and the engine it started."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "artsg_nb.tinker", "--engine", "cpu", "--port", "0",
+                             "--api-key", "tml-test", "--run-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # ends when the process does (pytest-timeout bounds a hang)
+            lines.append(line)
+            if line.startswith("Tinker API:"):
+                break
+        assert lines and lines[-1].startswith("Tinker API:"), "".join(lines[-20:])
+        _, base_url, _, api_key, _, base_model = lines[-1].split()[2:]
+        service_client = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+        tc = service_client.create_lora_training_client(base_model=base_model, rank=8).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        resp = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=3)).result()
+        assert len(resp.sequences) == 2
+        service_client.close("success").result(60)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert (tmp_path / "checkpoints").is_dir()
+    assert (tmp_path / "server" / "cpu.log").exists()
+    assert not list(tmp_path.glob("server/*.server.json")), "the engine's pid record is left: was it stopped?"

@@ -142,6 +142,28 @@ def test_two_training_clients_train_their_own_adapter(client, runtime):
     assert {m for m in (a.model_id, b.model_id)} <= set(service.models)
 
 
+def test_a_custom_loss_runs_client_side_on_forward_and_a_weighted_cross_entropy(client, runtime):
+    """forward_backward_custom (what ART's Tinker backend trains with): the client differentiates its
+    own loss of the forward pass's logprobs and sends the gradient as cross_entropy weights."""
+    import torch
+
+    tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    tok = tc.get_tokenizer()
+    datum = _sft_datum(_prompt(tok, "What is 4 + 4?"), tok.encode("8", add_special_tokens=False))
+    weights = torch.tensor(datum.loss_fn_inputs["weights"].data)
+
+    def doubled_nll(data, logprobs_list):
+        loss = sum(-2.0 * (lp * weights).sum() for lp in logprobs_list)
+        return loss, {"doubled:sum": loss.detach().item()}
+
+    plain = tc.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    out = tc.forward_backward_custom([datum], doubled_nll).result()
+    assert out.metrics["loss:sum"] == pytest.approx(2 * plain, rel=1e-4)
+    assert out.metrics["surrogate_loss:sum"] == pytest.approx(2 * plain, rel=1e-4), "weights = -dC/dlogp = 2w"
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert tc.forward([datum], "cross_entropy").result().metrics["loss:sum"] < plain
+
+
 def test_requests_it_cannot_serve_say_what_is_supported(client, runtime):
     api = runtime[0]
     tc = client.create_lora_training_client(base_model="tiny", rank=4).result()

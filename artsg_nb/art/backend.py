@@ -181,8 +181,8 @@ class SGLangBackend:
             return leased
         if step is not None and step != run.trainer.step:
             raise ValueError(f"SGLangBackend serves only the newest adapter ({run.adapter}, step {run.trainer.step}); "
-                             f"step {step} is not loaded: hold `async with backend.exact_adapter_lease(model, {step}):` "
-                             f"to serve it. Its files are in {run.run_dir / 'adapters'}.")
+                             f"step {step} is not loaded: hold `async with backend.exact_adapter_lease(model, "
+                             f"{step}):` to serve it. Its files are in {run.run_dir / 'adapters'}.")
         return f"{run.client.served_model}:{run.adapter}"
 
     @asynccontextmanager

@@ -8,8 +8,8 @@
         client = tinker.ServiceClient(base_url=srv.base_url, api_key=srv.api_key)
 
 Supported: create_lora_training_client, forward_backward (loss_fn "cross_entropy" or
-"importance_sampling"), forward, forward_backward_custom (client-side), optim_step (AdamParams), save_weights_for_sampler,
-save_weights_and_get_sampling_client, save_state (the adapter, without optimizer state),
+"importance_sampling"), forward, forward_backward_custom (client-side), optim_step (AdamParams),
+save_weights_for_sampler, save_weights_and_get_sampling_client, save_state (the adapter, without optimizer state),
 create_sampling_client (model_path or base_model), sample (num_samples, max_tokens, temperature,
 top_p, stop, seed, prompt logprobs), compute_logprobs, get_info, get_tokenizer. Everything else
 answers an error that names what is supported. service.py, server.py and wire.py say how.

@@ -168,7 +168,8 @@ def test_requests_it_cannot_serve_say_what_is_supported(client, runtime):
     api = runtime[0]
     tc = client.create_lora_training_client(base_model="tiny", rank=4).result()
     datum = _sft_datum([1, 2, 3], [4])
-    with pytest.raises(tinker.BadRequestError, match="loss_fn='ppo' is not supported.*cross_entropy, importance_sampling"):
+    with pytest.raises(tinker.BadRequestError,
+                       match="loss_fn='ppo' is not supported.*cross_entropy, importance_sampling"):
         tc.forward_backward([datum], "ppo").result(60)
     with pytest.raises(tinker.BadRequestError, match="needs loss_fn_inputs.*missing \\['advantages', 'logprobs'\\]"):
         tc.forward_backward([datum], "importance_sampling").result(60)

@@ -5,7 +5,9 @@ What it does: `make_app(service, api_key)` is a FastAPI app with the client's ro
 telemetry), sessions (create_session, session_heartbeat, sessions/{id}/finish), training
 (create_model, get_info, forward_backward, optim_step, save_weights_for_sampler, save_weights),
 sampling (create_sampling_session, samplers/{id}, asample) and futures (retrieve_future, which
-long-polls up to `poll_s`). Every request must carry the key (`X-API-Key`, which the client sends,
+long-polls up to `poll_s`). A session that sends nothing, not even the client's 10-second
+heartbeat, for `session_idle_s` is finished (a client that died): its models leave the trainer.
+Every request must carry the key (`X-API-Key`, which the client sends,
 or `Authorization: Bearer`); a call this server does not have answers 404 with the list of those
 it has, a request it cannot serve 400 saying why (the client raises both at once, without retries).
 `TinkerServer` runs the app with uvicorn in a thread of this process (the trainer lives here):
@@ -20,6 +22,7 @@ told (`host`); it is one user's local server, not a multi-tenant service.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import threading
@@ -48,11 +51,14 @@ ROUTES = ("create_session", "session_heartbeat", "sessions/{id}/finish", "create
           "client/dynamic_config", "telemetry")
 
 
-def make_app(service: TinkerService, api_key: str, poll_s: float = 20.0) -> FastAPI:
-    """The Tinker routes over `service`; requests without `api_key` are refused (401)."""
+def make_app(service: TinkerService, api_key: str, poll_s: float = 20.0, session_idle_s: float = 120.0) -> FastAPI:
+    """The Tinker routes over `service`; requests without `api_key` are refused (401). A session
+    that sends nothing (not even its 10-second heartbeat) for `session_idle_s` is finished."""
     @asynccontextmanager
     async def lifespan(app):
+        reaper = asyncio.create_task(_finish_idle_sessions(service, session_idle_s))
         yield
+        reaper.cancel()
         await service.futures.close()  # in the server's loop, as it stops
 
     app = FastAPI(title="artsg_nb Tinker-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
@@ -84,6 +90,15 @@ def make_app(service: TinkerService, api_key: str, poll_s: float = 20.0) -> Fast
                                  f"{', '.join(ROUTES)}")
 
     return app
+
+
+async def _finish_idle_sessions(service: TinkerService, idle_s: float) -> None:
+    while True:
+        await asyncio.sleep(min(idle_s / 4, 30.0))
+        try:
+            await service.finish_idle_sessions(idle_s)
+        except Exception:  # the next round tries again; serving goes on
+            log.exception("finishing idle Tinker sessions failed")
 
 
 def _handshake_routes(app: FastAPI, service: TinkerService) -> None:
@@ -194,12 +209,12 @@ class TinkerServer:
     """`make_app` served by uvicorn in a daemon thread of this process; a context manager."""
 
     def __init__(self, service: TinkerService, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 poll_s: float = 20.0, startup_timeout_s: float = 30.0):
+                 poll_s: float = 20.0, session_idle_s: float = 120.0, startup_timeout_s: float = 30.0):
         """`port` 0 picks a free one; `api_key` None makes a random one (read it from .api_key;
         the client accepts only keys that start with "tml-")."""
         self.service, self.host, self.port = service, host, port
         self.api_key = api_key or "tml-" + secrets.token_urlsafe(24)
-        self.poll_s, self.startup_timeout_s = poll_s, startup_timeout_s
+        self.poll_s, self.session_idle_s, self.startup_timeout_s = poll_s, session_idle_s, startup_timeout_s
         self._server = None
         self._thread: threading.Thread | None = None
 
@@ -210,7 +225,7 @@ class TinkerServer:
     def start(self) -> "TinkerServer":
         import uvicorn
 
-        config = uvicorn.Config(make_app(self.service, self.api_key, self.poll_s), host=self.host, port=self.port,
+        config = uvicorn.Config(make_app(self.service, self.api_key, self.poll_s, self.session_idle_s), host=self.host, port=self.port,
                                 log_level="warning", timeout_keep_alive=75)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="tinker-api", daemon=True)

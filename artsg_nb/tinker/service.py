@@ -26,6 +26,8 @@ import itertools
 import logging
 import random
 import re
+import time
+import uuid
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -87,6 +89,9 @@ class TinkerService:
         self.keep_loaded = keep_loaded
         self.futures = Futures(timeout_s)
         self.sessions: dict[str, set[str]] = {}
+        """Session id → its model ids."""
+        self.last_seen: dict[str, float] = {}
+        """Session id → time.monotonic() of its last request or heartbeat."""
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, str | None] = {}
         """Sampling session id → its checkpoint's tinker path (None: the base model)."""
@@ -98,16 +103,32 @@ class TinkerService:
 
     # ---- sessions and models --------------------------------------------------------------------
     def create_session(self) -> str:
-        session_id = f"session-{next(self._ids)}"
+        session_id = f"session-{uuid.uuid4().hex[:8]}"
         self.sessions[session_id] = set()
+        self.last_seen[session_id] = time.monotonic()
         return session_id
 
     def check_session(self, session_id: str) -> None:
+        """KeyError unless the session is live; a live one is marked as seen now (heartbeats call this)."""
         if session_id not in self.sessions:
-            raise KeyError(f"session {session_id!r} is unknown to this server (it restarted, or the session finished)")
+            raise KeyError(f"session {session_id!r} is unknown to this server (it restarted, or the session finished "
+                           "or went without heartbeats)")
+        self.last_seen[session_id] = time.monotonic()
+
+    async def finish_idle_sessions(self, idle_s: float) -> list[str]:
+        """Finish the sessions not seen for `idle_s` (a client that died without closing: the client
+        heartbeats every 10 s); their models leave the trainer. The sessions finished."""
+        now = time.monotonic()
+        idle = [s for s, seen in self.last_seen.items() if now - seen > idle_s]
+        for session_id in idle:
+            log.warning("tinker: session %s sent nothing for %.0f s; finishing it and removing its models %s",
+                        session_id, now - self.last_seen[session_id], sorted(self.sessions.get(session_id, ())))
+            await self.finish_session(session_id)
+        return idle
 
     async def finish_session(self, session_id: str) -> None:
         """The client closed its ServiceClient: its models leave the trainer and the server."""
+        self.last_seen.pop(session_id, None)
         for model_id in sorted(self.sessions.pop(session_id, set())):
             await self._remove_model(model_id)
 
@@ -122,7 +143,7 @@ class TinkerService:
         cfg = body.lora_config
         lora = LoraRequest(rank=cfg.rank, seed=cfg.seed, train_mlp=cfg.train_mlp, train_attn=cfg.train_attn,
                            train_unembed=cfg.train_unembed)
-        model = Model(model_id=f"model-{next(self._ids)}", session_id=body.session_id, lora=lora,
+        model = Model(model_id=f"model-{uuid.uuid4().hex[:8]}", session_id=body.session_id, lora=lora,
                       seed=cfg.seed if cfg.seed is not None else random.randrange(2**31))
         self.models[model.model_id] = model
         self.sessions[body.session_id].add(model.model_id)

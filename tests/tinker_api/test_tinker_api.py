@@ -49,6 +49,45 @@ def test_results_read_back_with_the_clients_deserializers():
     assert resp.prompt_logprobs == [None, -2.0]
 
 
+class _Trainer:
+    """The trainer calls a session's lifecycle makes, recorded."""
+
+    lora = LoraSpec(rank=16)
+
+    def __init__(self):
+        self.added, self.removed = [], []
+
+    def add(self, name, lora, learning_rate, seed):
+        self.added.append(name)
+
+    def remove(self, name):
+        self.removed.append(name)
+
+
+def test_a_session_that_stops_sending_is_finished_and_its_models_removed(tmp_path):
+    """A client that dies without closing (no heartbeats) does not hold its adapters forever; a
+    session that keeps sending heartbeats stays."""
+    from waiting import wait_until
+
+    trainer = _Trainer()
+    service = TinkerService(trainer, sampler=None, base_model="base", root=tmp_path)
+    with TinkerServer(service, session_idle_s=1.0) as api, \
+            httpx.Client(base_url=api.base_url, headers={"X-API-Key": api.api_key}, timeout=30) as http:
+        def new_model() -> tuple[str, str]:
+            session = http.post("/api/v1/create_session", json={"tags": [], "sdk_version": "t"}).json()["session_id"]
+            body = {"session_id": session, "base_model": "base", "lora_config": {"rank": 4}}
+            request_id = http.post("/api/v1/create_model", json=body).json()["request_id"]
+            result = http.post("/api/v1/retrieve_future", json={"request_id": request_id}).json()
+            return session, result["model_id"]
+
+        (dead, dead_model), (live, live_model) = new_model(), new_model()
+        wait_until(lambda: http.post("/api/v1/session_heartbeat", json={"session_id": live}).status_code == 200
+                   and trainer.removed, timeout_s=30, what="the silent session's model removed")
+        assert trainer.added == [dead_model, live_model] and trainer.removed == [dead_model]
+        assert http.post("/api/v1/session_heartbeat", json={"session_id": dead}).status_code == 404
+        assert http.post("/api/v1/session_heartbeat", json={"session_id": live}).status_code == 200
+
+
 # ---- the client against the local runtime -------------------------------------------------------
 @pytest.fixture(scope="module")
 def runtime(tiny_model_dir, tmp_path_factory):

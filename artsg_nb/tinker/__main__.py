@@ -52,6 +52,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per engine request otherwise
     plan = plan_gpus(list_gpus())
     engine = args.engine if args.engine != "auto" else ("cpu" if plan.mode == "cpu" else "sglang")
     if engine != "cpu" and plan.mode == "cpu":

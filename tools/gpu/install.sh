@@ -251,6 +251,8 @@ print("  image:", ", ".join(f"{n} {ver(n)}" for n in ("torch", "transformers", "
 mods = ["nbclient", "ipykernel", "IPython", "ipywidgets", "trl", "datasets"] if "kernel-site" in os.environ["PYTHONPATH"] else []
 if "unsloth-site" in os.environ["PYTHONPATH"]:
     mods += ["bitsandbytes"]     # `import unsloth` takes ~15 s and touches the GPU: not here
+if "tinker-site" in os.environ["PYTHONPATH"]:
+    mods += ["tinker.lib.public_interfaces.training_client", "tinker.proto.tinker_public_pb2"]  # rich, click, protobuf
 for m in mods:
     try:
         mod = importlib.import_module(m)

@@ -38,7 +38,7 @@ from ..engines.base import SamplingParams
 from .backend import LoraRequest, Sampler, Trainer
 from .futures import Futures, RequestFailed
 from .wire import (AdamParamsBody, CreateModel, CreateSamplingSession, FwdBwd, OptimStep, Sample, SaveWeights,
-                   WireError, fwdbwd_output_proto, sample_response_proto, text_tokens)
+                   WireError, fwdbwd_output_proto, sample_response_proto, sampling_params, text_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -364,28 +364,6 @@ class TinkerService:
         if any(g.finish_reason == "abort" for g in gens):
             raise RequestFailed("the inference server aborted the request (see its log)")
         return sample_response_proto(seqs, scored)
-
-
-def sampling_params(body: Sample) -> SamplingParams:
-    """Tinker's SamplingParams as ours; what has no equivalent is refused by name."""
-    sp = body.sampling_params
-    unsupported = {k: v for k, v in {"top_k": sp.top_k if sp.top_k not in (-1, 0) else None,
-                                     "topk_prompt_logprobs": body.topk_prompt_logprobs or None,
-                                     "topk_sample_logprobs": body.topk_sample_logprobs or None,
-                                     "target_prompt_logprobs": body.target_prompt_logprobs,
-                                     "prompt_alt_tokens_k": body.prompt_alt_tokens_k or None,
-                                     "prompt_logprobs_last_n": body.prompt_logprobs_last_n,
-                                     "record_stability_info": body.record_stability_info or None}.items()
-                   if v is not None}
-    if unsupported:
-        raise WireError(f"sample: {unsupported} not supported by artsg_nb's Tinker server; supported: num_samples, "
-                        "max_tokens, temperature, top_p, stop (strings or token ids), seed, include_prompt_logprobs")
-    if sp.max_tokens is None or sp.max_tokens <= 0:
-        raise WireError("sample: SamplingParams.max_tokens is required (a positive number)")
-    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-    return SamplingParams(max_new_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, n=body.num_samples,
-                          seed=sp.seed, stop=[s for s in stop if isinstance(s, str)] or None,
-                          stop_token_ids=[s for s in stop if isinstance(s, int)] or None)
 
 
 def _fwdbwd_result(out: dict, req: FwdBwd) -> bytes:

@@ -2,7 +2,8 @@
 
 What it does: pydantic models of the JSON request bodies the service reads (fields the client
 sends and the service does not use are ignored), the conversion of a Tinker `Datum` into the
-trainer's multi.losses.Datum (checking the inputs its loss function needs), and the protobuf bodies the
+trainer's multi.losses.Datum (checking the inputs its loss function needs) and of its
+SamplingParams into engines.SamplingParams (refusing what has no equivalent), and the protobuf bodies the
 client uses for forward_backward requests and for the results of forward_backward and sample
 (`tinker.proto.tinker_public_pb2`, the client's own schema: tokens as little-endian int32 bytes,
 floats as float32 bytes, per-datum arrays concatenated with int64 byte offsets).
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engines.base import SamplingParams
 from ..multi.losses import Datum
 from .backend import LOSS_FUNCTIONS
 
@@ -232,6 +234,28 @@ class _JsonFwdBwd(_Body):
     model_id: str
     seq_id: int | None = None
     forward_backward_input: _JsonFwdBwdInput
+
+
+def sampling_params(body: Sample) -> SamplingParams:
+    """Tinker's SamplingParams as ours; what has no equivalent is refused by name."""
+    sp = body.sampling_params
+    unsupported = {k: v for k, v in {"top_k": sp.top_k if sp.top_k not in (-1, 0) else None,
+                                     "topk_prompt_logprobs": body.topk_prompt_logprobs or None,
+                                     "topk_sample_logprobs": body.topk_sample_logprobs or None,
+                                     "target_prompt_logprobs": body.target_prompt_logprobs,
+                                     "prompt_alt_tokens_k": body.prompt_alt_tokens_k or None,
+                                     "prompt_logprobs_last_n": body.prompt_logprobs_last_n,
+                                     "record_stability_info": body.record_stability_info or None}.items()
+                   if v is not None}
+    if unsupported:
+        raise WireError(f"sample: {unsupported} not supported by artsg_nb's Tinker server; supported: num_samples, "
+                        "max_tokens, temperature, top_p, stop (strings or token ids), seed, include_prompt_logprobs")
+    if sp.max_tokens is None or sp.max_tokens <= 0:
+        raise WireError("sample: SamplingParams.max_tokens is required (a positive number)")
+    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    return SamplingParams(max_new_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, n=body.num_samples,
+                          seed=sp.seed, stop=[s for s in stop if isinstance(s, str)] or None,
+                          stop_token_ids=[s for s in stop if isinstance(s, int)] or None)
 
 
 # ---- protobuf (the client's schema) -------------------------------------------------------------

@@ -13,6 +13,7 @@ from openai.types.chat.chat_completion import Choice  # noqa: E402
 
 from artsg_nb.art import ArtVersionError, SGLangBackend, UnsupportedTrajectory  # noqa: E402
 from artsg_nb.art.convert import to_groups, to_trajectory  # noqa: E402
+from artsg_nb.rl.lora import version_steps  # noqa: E402
 from artsg_nb.run.config import RunConfig  # noqa: E402
 from artsg_nb.tasks.registry import get_task  # noqa: E402
 
@@ -135,6 +136,99 @@ def test_the_managed_client_asks_for_token_ids_only_where_the_server_accepts_the
     assert sent == [ids, None, None, {**ids, "top_k": 5}] and client.chat.other == 1
 
 
+class _AdapterClient:
+    """The engine client calls a lease makes, recorded; the adapters it holds."""
+
+    served_model = "base"
+
+    def __init__(self):
+        self.loaded, self.calls = set(), []
+
+    async def load_adapter(self, name, path):
+        assert name not in self.loaded, f"{name} loaded twice"
+        self.loaded.add(name)
+        self.calls.append(("load", name, path))
+
+    async def unload_adapter(self, name):
+        self.loaded.remove(name)
+        self.calls.append(("unload", name))
+
+
+def _registered(tmp_path, steps: int):
+    """A backend with model "m" registered on a stand-in run whose newest step is `steps`."""
+    from types import SimpleNamespace
+
+    from artsg_nb.art.leases import AdapterLeases
+
+    for step in range(steps + 1):
+        folder = tmp_path / "adapters" / f"policy-step-{step}"
+        folder.mkdir(parents=True)
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+    client = _AdapterClient()
+    backend = SGLangBackend(path=str(tmp_path))
+    backend._runs["m"] = SimpleNamespace(run_dir=tmp_path, client=client, adapter=f"policy-step-{steps}",
+                                         trainer=SimpleNamespace(step=steps))
+    backend._leases["m"] = AdapterLeases(tmp_path)
+    model = art.TrainableModel(name="m", project="p", base_model="unused")
+    model._backend = backend
+    return backend, model, client
+
+
+def test_an_exact_adapter_lease_serves_its_step_to_its_holders_until_the_last_leaves(tmp_path):
+    """ART 0.5.23's Backend.exact_adapter_lease: the older step's adapter is loaded under a name of
+    its own while held, get_inference_name() names it only inside the lease (a concurrent task
+    outside sees the newest), two holders share one load, and the last one out unloads it."""
+    backend, model, client = _registered(tmp_path, steps=3)
+
+    async def main():
+        inside, outside = asyncio.Event(), asyncio.Event()
+        names = {}
+
+        async def holder(key):
+            async with backend.exact_adapter_lease(model, 1):
+                names[key] = (model.get_inference_name(), model.get_inference_name(step=1))
+                inside.set()
+                await outside.wait()
+            names[key + " after"] = model.get_inference_name()
+
+        async def bystander():
+            await inside.wait()
+            names["bystander"] = model.get_inference_name()
+            with pytest.raises(ValueError, match="exact_adapter_lease"):
+                model.get_inference_name(step=1)
+            outside.set()
+
+        await asyncio.gather(holder("a"), holder("b"), bystander())
+        return names
+
+    names = asyncio.run(main())
+    assert names["a"] == names["b"] == ("base:policy-step-1-lease", "base:policy-step-1-lease")
+    assert names["bystander"] == names["a after"] == "base:policy-step-3"
+    assert [c[:2] for c in client.calls] == [("load", "policy-step-1-lease"), ("unload", "policy-step-1-lease")]
+    assert client.calls[0][2] == str((tmp_path / "adapters" / "policy-step-1").resolve())
+
+
+def test_a_leased_step_keeps_its_files_and_a_step_without_files_is_refused(tmp_path):
+    backend, model, client = _registered(tmp_path, steps=3)
+    backend._runs["m"].publisher = type("P", (), {"current": type("V", (), {"step": 3})()})()
+    backend._runs["m"].trainer.wait_for_checkpoint = lambda: None
+
+    async def main():
+        async with backend.exact_adapter_lease(model, 1):
+            await backend._delete_checkpoint_files(model, steps_to_keep=[])
+            assert (tmp_path / "adapters" / "policy-step-1").exists(), "a leased step's adapter was deleted"
+        assert not (tmp_path / "adapters" / "policy-step-2").exists()
+        with pytest.raises(ValueError, match=r"step 2 has no saved adapter .* \[1, 3\]"):
+            async with backend.exact_adapter_lease(model, 2):
+                pass
+        with pytest.raises(ValueError, match=r"step 7 of 'm' does not exist \(its steps: 0..3\)"):
+            async with backend.exact_adapter_lease(model, 7):
+                pass
+
+    asyncio.run(main())
+    assert client.loaded == set()
+
+
 TASK = get_task("addition")  # the tiny model's pretraining leaves a habit GRPO removes in a few steps
 
 
@@ -178,6 +272,15 @@ def test_sglang_backend_trains_an_art_model_and_serves_the_trained_adapter(tiny_
                     assert result.metrics["probe_mad"] < 0.02, "the served adapter is not the trained one"
             with pytest.raises(ValueError, match="only the newest adapter"):
                 model.get_inference_name(step=1)
+            # An older step served under a lease (ART 0.5.23's exact_adapter_lease), then unloaded.
+            run = backend.run(model)
+            old = min(version_steps(run.run_dir / "adapters"))
+            async with backend.exact_adapter_lease(model, old):
+                assert model.get_inference_name() == f"{served}:policy-step-{old}-lease"
+                assert set(await run.client.list_adapters()) == {run.adapter, f"policy-step-{old}-lease"}
+                leased = await rollout(model, 7)
+                assert leased.messages_and_choices[-1].logprobs is not None
+            assert set(await run.client.list_adapters()) == {run.adapter}
             # ART's managed client asks the server for token ids: the trajectory uses them as sent.
             messages = TASK.make_env(7).reset()
             completion = await model.openai_client().chat.completions.create(

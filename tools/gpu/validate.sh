@@ -92,6 +92,10 @@
 #               steps/s of both, the time split, first-step rewards equal; $OUT/sweep_smol.json
 #   sweep-7b    the same at the 7B random shape (/tmp/models/random-7b, built when missing), SWEEP_7B_STEPS (2)
 #               steps each; $OUT/sweep_7b.json
+#   tinker-smol issue 51: the tinker client's RL loop (python -m artsg_nb.tinker.rl_loop, tinker-cookbook's
+#               rl_loop.py small) for TINKER_STEPS (12) steps against python -m artsg_nb.tinker (SGLang + a
+#               MultiTrainer) on SmolLM2 (after the smollm2 phase), addition_chat 8 x 8; needs the tinker set.
+#               One line per step (reward, datums, seconds); the server's log in $OUT/tinker-server.log
 #   art-tiny    notebooks/05 on the shipped tiny model and SGLang: counts trajectories left out for token
 #               ids the server did not send (needs the art, art-polars, web and kernel sets)
 set -uo pipefail
@@ -238,6 +242,13 @@ for p in "$@"; do
                    --experiments ${SWEEP_EXPERIMENTS:-4} --steps $STEPS --groups-per-step 16 --group-size 8 \
                    --max-new-tokens ${SWEEP_TOKENS:-256} --run-dir /tmp/runs/$p --out "$OUT/${p/-/_}.json"
                  grep -E 'experiments x|together:|one after|first-step|errors' "$OUT/$p.log" | cut -c1-300 | sed 's/^/    /' ;;
+    tinker-smol) phase tinker-smol "${TINKER_LIMIT_S:-540}" bash -c "python3 -m artsg_nb.tinker --model $SMOL --engine sglang \
+                   --port 8765 --api-key tml-validate --run-dir /tmp/runs/tinker-smol >$OUT/tinker-server.log 2>&1 & S=\$!; \
+                   trap 'kill -TERM \$S 2>/dev/null; wait \$S' EXIT; \
+                   python3 -m artsg_nb.tinker.rl_loop --base-url http://127.0.0.1:8765 --api-key tml-validate \
+                   --base-model $SMOL --task addition_chat --steps ${TINKER_STEPS:-12} --groups 8 --group-size 8 \
+                   --learning-rate ${TINKER_LR:-2e-4} --lora-rank 16"
+                 grep -E '^step ' "$OUT/tinker-smol.log" | cut -c1-200 | sed 's/^/    /' ;;
     *) echo "unknown phase $p"; FAILS=$((FAILS + 1)) ;;
   esac
 done

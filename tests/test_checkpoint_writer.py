@@ -325,7 +325,8 @@ def _unsealed_version(tr, adapters, step, seal):
 
 
 def test_a_pipelined_rollback_works_while_the_seal_is_pending_or_after_it_failed(make_trainer, tmp_path, monkeypatch):
-    from artsg_nb.run.pipeline import SampleAhead
+    from artsg_nb.run.clock import PhaseClock
+    from artsg_nb.run.versions import AdapterVersions, VerifyPolicy
     tr = make_trainer(warm_up=False)
     tr.train_step(_groups())
     weights, optimizer = _lora(tr), _optimizer_tensors(tr)
@@ -336,9 +337,9 @@ def test_a_pipelined_rollback_works_while_the_seal_is_pending_or_after_it_failed
         raise OSError(errno.ENOSPC, "No space left on device")
     v = _unsealed_version(tr, tmp_path / "adapters", 1, slow_then_full)
     tr.train_step(_groups())  # the next update, cancelled: rolled back while the seal still runs
-    ahead = SampleAhead(True, tr, tmp_path, supervisor=None, source=None, versions=None)
+    versions = AdapterVersions(tr, tmp_path, supervisor=None, clock=PhaseClock(), scrape=None, policy=VerifyPolicy())
     threading.Timer(0.2, release.set).start()
-    ahead._roll_back(1)
+    versions.roll_back(1)
     assert not (v.path / "sha256.txt").exists() and tr.step == 1
     assert all(torch.equal(weights[n], p) for n, p in _lora(tr).items())
     assert all(torch.equal(optimizer[k], x) for k, x in _optimizer_tensors(tr).items())

@@ -198,6 +198,44 @@ def test_a_step_cancelled_after_its_early_save_rolls_back_even_to_a_checkpoint_k
 
 
 
+def test_a_step_cancelled_during_its_update_rolls_back_once_and_the_run_goes_on(tiny_model_dir, tmp_path):
+    """Interrupted while its update runs in the worker thread: the step waits for the thread, then
+    rolls the trainer back once (before: the pipeline and then the step each did), and the redo
+    and the step after it continue with contiguous numbers and served versions."""
+    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
+        asyncio.run(run.step())
+        training, finish = threading.Event(), threading.Event()
+        real_train, real_load = run.trainer.train_step, run.trainer.load_checkpoint
+        rollbacks = []
+
+        def held_update(groups):  # the update the interrupt lands in
+            training.set()
+            finish.wait(30)
+            return real_train(groups)
+
+        def recording_load(path):
+            rollbacks.append(os.path.basename(path))
+            return real_load(path)
+
+        run.trainer.train_step, run.trainer.load_checkpoint = held_update, recording_load
+
+        async def interrupt_during_update():
+            step = asyncio.ensure_future(run.step())
+            await wait_until_async(training.is_set)
+            step.cancel()  # lands on the await of the worker thread; the thread runs on
+            finish.set()
+            await asyncio.wait([step])
+            return step
+
+        assert asyncio.run(interrupt_during_update()).cancelled()
+        assert rollbacks == ["policy-step-1"], f"one rollback, to the served version: {rollbacks}"
+        assert run.trainer.step == 1 and run.adapter == "policy-step-1" and len(run.history) == 1
+        run.trainer.train_step = real_train
+        rows = [asyncio.run(run.step()) for _ in range(2)]
+        assert [r["step"] for r in rows] == [2, 3] and run.adapter == "policy-step-3"
+        assert [r["step"] for r in run.history.rows] == [1, 2, 3] and rollbacks == ["policy-step-1"]
+
+
 async def _interrupt_step(run, ready) -> asyncio.Future:
     """run.step(), cancelled (a notebook's interrupt) once `ready()` turns true; the step's future."""
     step = asyncio.ensure_future(run.step())
@@ -477,7 +515,7 @@ def test_rollouts_ahead_cancelled_by_stop_then_by_their_step_keep_their_cleanup(
                 await asyncio.sleep(0.05)  # a request closing its connection
                 cleaned.append(True)
 
-        sampler = SampleAhead(True, trainer=None, run_dir=tmp_path, supervisor=None, source=None, versions=None)
+        sampler = SampleAhead(True, trainer=None, supervisor=None, source=None, versions=None)
         sampler.ahead_task = asyncio.ensure_future(rollout_with_cleanup())
         await started.wait()
         sampler.cancel_now()  # stop()

@@ -67,11 +67,14 @@ def test_step_whose_save_fails_in_safetensors_is_rolled_back(tmp_path, tiny_mode
             with file_size_limit(4096):
                 save(path)
 
+        rollbacks, load = [], run.trainer.load_checkpoint
         run.trainer.save_adapter = save_on_full_disk
+        run.trainer.load_checkpoint = lambda path: (rollbacks.append(path), load(path))[1]
         with pytest.raises(AdapterSaveError):
             asyncio.run(run.step())
-        run.trainer.save_adapter = save
+        run.trainer.save_adapter, run.trainer.load_checkpoint = save, load
         assert run.trainer.step == 1 and run.adapter == "policy-step-1"  # rolled back to the served version
+        assert len(rollbacks) == 1, f"one rollback (the step's), not one by the save and one by the step: {rollbacks}"
         assert run.sampler.ahead_task is None and run.sampler.ahead is None  # the rollouts sampled ahead were cancelled
         row = asyncio.run(run.step())
         assert row["step"] == 2 and row["adapter"] == "policy-step-2"

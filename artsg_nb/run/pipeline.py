@@ -27,13 +27,14 @@ run draws the same prompts); they go through the same `with_restarts` and served
 synchronous ones (checked when they start); at most one rollout is in flight and none outlives
 the step that started it (a step is one `asyncio.run` in a notebook cell), so eval, `rollouts()`
 and stop() never race one. A failure of the rollouts ahead is logged and the next step rolls out
-afresh; a failed or cancelled update cancels them, and a cancelled step undoes an update the
-worker thread finished (a thread cannot be stopped), so step() can simply be run again. With
+afresh; a failed or cancelled update cancels them, and a cancelled step waits for the worker
+thread to finish the update (a thread cannot be stopped) before the cancel goes up to the step,
+which undoes it (versions.roll_back, its one rollback), so step() can simply be run again. With
 pipeline=False `rollouts` is the step's synchronous rollout and the step trains without this
 (run/step.py, released.py).
 
 What it does not do: decide what a step is (run/step.py), restart servers (supervisor.py), save
-or serve versions (versions.py), or the IS math (rl/grpo.py). It is handed the trainer, run_dir,
+or serve versions (versions.py), or the IS math (rl/grpo.py). It is handed the trainer,
 the supervisor, the rollout source, the adapter versions and the clock; it knows nothing of the
 run above it.
 """
@@ -42,9 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from pathlib import Path
 
-from ..rl.lora import adapter_name
 from .clock import PhaseClock
 from .history import PipelineFields
 from .results import Rollouts, Saved, Update
@@ -63,11 +62,10 @@ def staleness(groups, weights_version: str | None) -> int:
 class SampleAhead:
     """Rollouts of step n+1 on the server while the trainer updates on step n's (module docstring)."""
 
-    def __init__(self, pipeline: bool, trainer, run_dir: Path, supervisor: ServerSupervisor,
-                 source: RolloutSource | None, versions: AdapterVersions | None, clock: PhaseClock | None = None):
+    def __init__(self, pipeline: bool, trainer, supervisor: ServerSupervisor, source: RolloutSource | None,
+                 versions: AdapterVersions | None, clock: PhaseClock | None = None):
         self.pipeline = pipeline
         self.trainer = trainer
-        self.run_dir = run_dir
         self.supervisor = supervisor
         self.source = source  # the step's rollouts (RolloutSource.rollouts)
         self.versions = versions  # saves, stages and serves the versions
@@ -101,14 +99,13 @@ class SampleAhead:
         if release:
             raise ValueError("pipeline=True with release_memory: the server cannot give its memory back while "
                              "it samples the next step's rollouts. Turn one of them off (run.release = False).")
-        before = self.supervisor.update_from = self.trainer.step  # what the rollouts ahead are checked against
+        self.supervisor.update_from = self.trainer.step  # what the rollouts ahead are checked against
         ahead = self.ahead_task = asyncio.ensure_future(self._timed_rollouts(step + 1))
         ahead_done_at: list[float] = []  # when the rollouts ahead ended (the callback runs before this task wakes)
         ahead.add_done_callback(lambda _: ahead_done_at.append(self.clock.now()))
-        trained, staging = False, None
+        staging = None
         try:
-            update, trained_at = await self._train_in_thread(groups, before)
-            trained = True
+            update, trained_at = await self._train_in_thread(groups)
             if update.saved is not None and not (leave_unpublished and ahead.done()):
                 staging = asyncio.ensure_future(self.versions.stage(update.saved))
             with self.clock.phase("ahead_wait") as lap:
@@ -125,23 +122,22 @@ class SampleAhead:
             # from when both the update and the rollouts ahead had ended: the save and load left then
             ready = max(trained_at, ahead_done_at[0] if ahead_done_at else lap.t0 + lap.seconds)
             self.fields.reload_wait_s = self.clock.now() - ready  # the step adds its publish's seconds
-        except BaseException:
+        except BaseException:  # the step rolls the update back (versions.roll_back), once, on its way out
             if staging is not None and not staging.done():
                 staging.cancel()  # a load the server may still make: the next stage or publish unloads it
                 await asyncio.wait([staging])
             await self._cancel_ahead()
-            if trained:  # cancelled while waiting: the update is not served, so it is undone
-                self._roll_back(before)
             raise
         finally:
             self.ahead_task, self.supervisor.update_from = None, None
         return update
 
-    async def _train_in_thread(self, groups, before: int) -> tuple[Update, float]:
+    async def _train_in_thread(self, groups) -> tuple[Update, float]:
         """(update, trained_at): trainer.train_step, then versions.save_ahead, in a worker thread,
         so the event loop keeps sampling meanwhile; trained_at is the clock's time at which the
-        update ended. A save that fails undoes the update itself; once the step is cancelled
-        nothing more is saved."""
+        update ended. Once the step is cancelled nothing more is saved, and the cancel goes up
+        only after the thread has ended (a thread cannot be stopped), so the step's rollback
+        comes after the update it undoes."""
         cancelled = threading.Event()
 
         def work() -> tuple[Update, float]:
@@ -155,19 +151,9 @@ class SampleAhead:
             return await asyncio.shield(update)
         except asyncio.CancelledError:
             cancelled.set()
-            await asyncio.wait([update])  # the thread cannot be stopped: let it finish, then undo it
-            if update.exception() is None:
-                self._roll_back(before)
+            await asyncio.wait([update])  # the thread cannot be stopped: the step undoes it once it ends
             raise
-    def _roll_back(self, step: int) -> None:
-        """The trainer back to the saved version `step` (weights, optimizer, step, RNG): the version
-        this trainer saved itself, so no checksum is asked of it (its seal may still be under way in
-        the checkpoint writer, or have failed for want of disk: load_checkpoint then restores it
-        from memory, which the session's `save` keeps by not saving ahead then). A version the
-        cancelled update saved stays on disk unserved, without a history row: resume never takes
-        it, and the step's redo replaces it."""
-        self.trainer.load_checkpoint(self.run_dir / "adapters" / adapter_name(step))
-        log.warning("step %d cancelled during its update; trainer rolled back to step %d", step + 1, step)
+
 
     async def _cancel_ahead(self) -> None:
         """Cancel the rollouts being sampled ahead and wait until they have stopped (their requests'

@@ -215,7 +215,7 @@ class GRPORun:
         scrape = MetricsScrape(self.tracker, sup)
         self.versions = AdapterVersions(self.trainer, self.run_dir, sup, clock, scrape,
                                         VerifyPolicy(cfg.verify_adapter, cfg.verify_every, cfg.temperature))
-        self.sampler = SampleAhead(cfg.pipeline, self.trainer, self.run_dir, sup, self.source, self.versions, clock)
+        self.sampler = SampleAhead(cfg.pipeline, self.trainer, sup, self.source, self.versions, clock)
         self.steps = GRPOStep(cfg, self.trainer, sup, self.source, self.sampler, self.versions, scrape,
                               self.history, self.trackers, clock)
 

@@ -110,8 +110,8 @@ class GRPOStep:
             published = await self._version(rollouts, update, leave)
             return await self._row(rollouts, update, published, pipeline)
         except BaseException:
-            if self.versions.weights_step != rollouts.step:
-                self._roll_back(before)
+            if self.versions.weights_step != rollouts.step:  # the step's one rollback
+                self.versions.roll_back(before)
             elif update is not None and not self._row_kept(rollouts.step):
                 try:
                     self.write_row(self._build_row(rollouts, update, None, pipeline))
@@ -204,16 +204,6 @@ class GRPOStep:
         last = self.history.last
         return (last is not None and last["step"] == step) or (
             self.unwritten_row is not None and self.unwritten_row["step"] == step)
-
-    def _roll_back(self, before: int) -> None:
-        """The trainer back to version `before` (versions.roll_back): a step stopped before its
-        version became the trainer's leaves nothing of its update. A rollback that fails is logged:
-        the next step's check (supervisor.check_served) then refuses to roll out."""
-        try:
-            self.versions.roll_back(before)
-        except Exception as e:  # noqa: BLE001 — the step's own error is the one to report
-            log.error("could not roll the trainer back to step %d (%s: %s); continue with "
-                      "GRPORun(replace(cfg, resume=True)).start()", before, type(e).__name__, e)
 
     async def _interruptible(self, step_coro) -> dict:
         """`await step_coro`; an interrupt (the notebook's stop button: a cancel, or KeyboardInterrupt)

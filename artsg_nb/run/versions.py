@@ -9,8 +9,9 @@ state those share: the starting version (`initial`), whether it is served yet, a
 in this step (counted in its row's reload_s), the step's lock (a stage never interleaves with a
 serve) and the restart count at the last check.
 
-A save that fails rolls the trainer back to the version its weights came from (weights, optimizer,
-step, RNG), so the step can simply be run again.
+A step stopped before its version became the trainer's (a failed save, an error, an interrupt) is
+rolled back here, once (`roll_back`, called by run/step.py on its way out), so it can simply be
+run again.
 
 What it does not do: train (rl/trainer.py), speak HTTP (rl/lora.AdapterPublisher), restart
 servers (supervisor.py), or decide when a step saves or serves (run/step.py, run/pipeline.py).
@@ -23,7 +24,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..rl.lora import (AdapterSaveError, AdapterVersion, MaskedScorer, adapter_name, latest_checkpoint,
+from ..rl.lora import (AdapterVersion, MaskedScorer, adapter_name, latest_checkpoint,
                        probe_served_adapter, probe_trajectory, remove_stale_tmp, save_adapter_atomic, seal_version)
 from .clock import PhaseClock
 from .results import Published, Saved
@@ -125,19 +126,12 @@ class AdapterVersions:
         return version
 
     def save_new(self) -> Saved:
-        """The update's adapter saved as a new version (`write`). A save that fails drops the update
-        with it: the trainer returns to the version its weights came from (weights, optimizer, step,
-        RNG), so the next step() redoes this step. A pipelined step runs this in its update's
-        worker thread (`save_ahead`)."""
-        previous = self.unpublished or self.supervisor.publisher.current  # what the trainer's weights were
+        """The update's adapter saved as a new version (`write`). A save that fails raises: the step
+        stops before its version is the trainer's, so it rolls the update back (`roll_back`) and
+        the next step() redoes it. A pipelined step runs this in its update's worker thread
+        (`save_ahead`)."""
         with self.clock.phase("save") as lap:
-            try:
-                version = self.write(self.trainer.step)
-            except AdapterSaveError:
-                self.trainer.load_checkpoint(previous.path)
-                log.warning("adapter of step %d not saved; trainer rolled back to %s", self.trainer.step + 1,
-                            previous.name)
-                raise
+            version = self.write(self.trainer.step)
         return Saved(version, lap.seconds)
 
     def save_ahead(self) -> Saved | None:
@@ -173,9 +167,21 @@ class AdapterVersions:
     def roll_back(self, step: int) -> None:
         """The trainer back to its own saved version `step` (weights, optimizer, step, RNG): a step
         stopped before its version was served (or left to the next step) is undone whole, so the
-        next step() redoes it. Its checkpoint may still be written in the background, or only in
-        memory (load_checkpoint waits for it or restores it from there)."""
-        self.trainer.load_checkpoint(self.adapters / adapter_name(step))
+        next step() redoes it. The one rollback of a step, made by the step on its way out
+        (run/step.py) whatever stopped it: a failed save, an error, an interrupt, in the update's
+        worker thread too (pipeline.py waits for it to end first). No checksum is asked of the
+        version (this trainer saved it): its checkpoint may still be written in the background, or
+        only in memory after a full disk (load_checkpoint waits for it or restores it from there).
+        A version the stopped step saved stays on disk without a row: resume never takes it, the
+        redo replaces it. A rollback that fails is logged, not raised (the step's own error is the
+        one to report): the next step's check (supervisor.check_served) then refuses to roll out."""
+        try:
+            self.trainer.load_checkpoint(self.adapters / adapter_name(step))
+        except Exception as e:  # noqa: BLE001 — the step's own error goes up
+            log.error("could not roll the trainer back to step %d (%s: %s); continue with "
+                      "GRPORun(replace(cfg, resume=True)).start()", step, type(e).__name__, e)
+            return
+        log.warning("step %d stopped before its version was served; trainer rolled back to step %d", step + 1, step)
 
     def _write_with_checkpoint(self, tmp: Path) -> None:
         """The adapter and its checkpoint, both written before the version is renamed into place."""

@@ -10,7 +10,7 @@ import pytest
 from artsg_nb.bench.checks import check_hit_rates, check_reloads, check_rows
 from artsg_nb.rollout.trajectory import Trajectory, TrajectoryGroup
 from artsg_nb.run.history import History
-from artsg_nb.serving.metrics import reachable_hit_rate
+from artsg_nb.serving.metrics import reachable_hit_rate, reachable_text
 
 
 def member(prompt, submission, reusable, cached=0, exact=True, turns=()):
@@ -36,7 +36,8 @@ def test_copies_prefilled_together_reach_nothing_and_say_why():
     group = TrajectoryGroup(0, [member(PROMPT, "prefilled together", 0) for _ in range(4)])
     reach = reachable_hit_rate([group])
     assert reach.rate == 0 and reach.path == "prefilled together"
-    assert "prefilled together" in reach.note and "prompt_warm_up='always'" in reach.note
+    # the step line and the dashboard say it, with what the copies could still read across them
+    assert reachable_text(reach.rate, reach.path, reach.shared) == " of 0.00 reachable + 0.68 shared (prefilled together)"
 
 
 def test_a_leader_computes_what_its_followers_read():
@@ -146,7 +147,7 @@ def test_a_step_that_needs_more_kv_cache_than_the_server_holds_is_only_an_upper_
     assert not short.exact and short.kv_short == (14, 13) and short.path.endswith("KV short")
     # no more groups at once than requests in flight (RunConfig.concurrency)
     assert reachable_hit_rate([group, group, group], kv_tokens=30, in_flight=2).exact
-    assert "evicts prompts" in short.note
+    assert reachable_text(short.rate, short.path, short.shared) == " of 0.90 reachable (warm-up first, KV short)"
     assert check_hit_rates([row(1, 0, 0), row(2, 0.86, 0.97, path=short.path)]).passed
 
 

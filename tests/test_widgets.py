@@ -256,3 +256,23 @@ def test_hit_rate_trend_is_scaled_to_its_own_range():
     assert (low, high) == pytest.approx((0.86, 0.88))
     assert sparkline([0.86, 0.88, 0.87], low, high) == "▁█▅"
     assert widgets.trend_range([0.5, 0.5]) == pytest.approx((0.49, 0.51))  # flat: a minimum span
+
+
+def test_the_step_line_and_the_dashboard_say_the_reachable_rate_in_the_same_words(dashboards):
+    """One wording (metrics.reachable_text) beside the hit rate in the step line, the text view and
+    the HTML; before, the dashboard left out the share across groups the step line gives."""
+    import html
+
+    from artsg_nb.run.history import History
+    from artsg_nb.serving.metrics import reachable_text
+
+    row = {"step": 3, "hit_rate": 0.3, "hit_rate_reachable": 0.0, "hit_rate_shared": 0.28,
+           "hit_rate_path": "prefilled together"}
+    words = reachable_text(0.0, "prefilled together", 0.28)
+    assert words == " of 0.00 reachable + 0.28 shared (prefilled together)"
+    assert f"hit 0.30{words}" in History.format_row(row)
+    dashboard = dashboards(cpu_plan(), FakeServer(), FakeTracker(), refresh_s=None, rows_fn=lambda: [row])
+    assert f"last step 0.30{words}" in dashboard.render_text()
+    dashboard.refresh()
+    assert words in html.unescape(dashboard.widget.value)
+    assert reachable_text(None, "warm-up first", 0.5) == "" and reachable_text(float("nan"), None) == ""

@@ -26,7 +26,7 @@ import pandas as pd
 
 from ..files import write_atomic
 from ..rollout.trajectory import is_valid
-from ..serving.metrics import reachable_hit_rate, theoretical_hit_rate
+from ..serving.metrics import reachable_hit_rate, reachable_text, theoretical_hit_rate
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +296,8 @@ class History:
         if _present(row.get("loss")):
             parts.append(f"loss {row['loss']:.3g}")
         if _present(row.get("hit_rate")):
-            parts.append(f"hit {row['hit_rate']:.2f}" + _reachable_note(row))
+            parts.append(f"hit {row['hit_rate']:.2f}" + reachable_text(
+                row.get("hit_rate_reachable"), row.get("hit_rate_path"), row.get("hit_rate_shared")))
         for key in ("rollout_s", "release_s", "train_s", "resume_s", "reload_s"):
             if _present(row.get(key)):
                 parts.append(f"{key[:-2]} {_format_seconds(row[key])}")
@@ -379,15 +380,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def _reachable_note(row: dict[str, Any]) -> str:
-    """" of 0.88 reachable (warm-up first)" beside a step's hit rate: what its path can reach."""
-    reachable, path, shared = row.get("hit_rate_reachable"), row.get("hit_rate_path"), row.get("hit_rate_shared")
-    if not _present(reachable):
-        return ""
-    across = f" + {shared:.2f} shared" if _present(shared) and shared >= 0.01 else ""
-    return f" of {reachable:.2f} reachable{across}" + (f" ({path})" if path else "")
 
 
 def _present(value: Any) -> bool:

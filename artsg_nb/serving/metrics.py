@@ -44,6 +44,7 @@ rate. Counters are the only sound source.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import defaultdict, deque
@@ -264,20 +265,20 @@ class ReachableHitRate:
     first is larger: the server runs them in waves and evicts prompts before every copy reads
     them, so `rate` is only an upper bound (`exact` False)."""
 
-    @property
-    def note(self) -> str:
-        """One line for the step line and the panel: why the rate is what it is."""
-        if self.kv_short:
-            need, have = self.kv_short
-            return (f"the step's sequences need {need:,} tokens of KV cache at once, the server holds {have:,}: "
-                    "it runs them in waves and evicts prompts before every copy reads them. Try: fewer or "
-                    "shorter samples a step, or more server memory (release_memory=True)")
-        if self.path.startswith("prefilled together"):
-            return ("copies prefilled together (faster than caching the prompt first at this model size "
-                    "and prompt length): nothing to reuse; RunConfig(prompt_warm_up='always') caches it first")
-        if not self.exact:
-            return f"{self.path}: the most the cache could serve, in whatever order the server took them"
-        return f"{self.path}: each group's prompt is computed once and read from the cache by the others"
+
+def reachable_text(rate: float | None, path: str | None, shared: float | None = None) -> str:
+    """" of 0.88 reachable + 0.05 shared (warm-up first)": what a step's submission path can reach,
+    written beside its hit rate by the step line (history.History.format_row) and the dashboard
+    (view/widgets/render.py), the one wording of both; "" without a rate (None or NaN). The share
+    across groups is named from 0.01."""
+    if not _number(rate):
+        return ""
+    across = f" + {shared:.2f} shared" if _number(shared) and shared >= 0.01 else ""
+    return f" of {rate:.2f} reachable{across}" + (f" ({path})" if path else "")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value))
 
 
 _FIRST_TURN_PATHS = {"warm-up first": "warm-up first", "prefilled together": "prefilled together",

@@ -50,7 +50,7 @@ class Dashboard:
     refresh_s: seconds between background refreshes; None refreshes only on `.refresh()`.
     adapter_fn: returns the adapter name the server is serving now (or None).
     rows_fn: returns the run's history rows so far (dicts with `hit_rate`, `hit_rate_reachable`,
-        `hit_rate_path`): "last step" and its trend are then the steps' own hit rates, beside what
+        `hit_rate_path`, `hit_rate_shared`): "last step" and its trend are then the steps' own hit rates, beside what
         each step's submission path can reach (serving/metrics.py); without it, the tracker's
         windows between scrapes.
     gpu_reader: returns objects with `.index .name .mem_used_mib .mem_total_mib` (and, when
@@ -185,6 +185,7 @@ class Dashboard:
         snap.hit_last, snap.hit_trend = last["hit_rate"], [r["hit_rate"] for r in rows[-TREND_POINTS:]]
         snap.hit_reachable = last.get("hit_rate_reachable") if _number(last.get("hit_rate_reachable")) else None
         snap.hit_path = last.get("hit_rate_path")
+        snap.hit_shared = last.get("hit_rate_shared") if _number(last.get("hit_rate_shared")) else None
 
     def _guard(self, snap: Snapshot, what: str, read: Callable[[], None]) -> None:
         """Run one read; on error log it (traceback once per distinct message) and note it."""

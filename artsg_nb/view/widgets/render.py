@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 from IPython import get_ipython
 
+from ...serving.metrics import reachable_text
+
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
 TREND_POINTS = 12
 TREND_MIN_SPAN = 0.02
@@ -71,6 +73,7 @@ class Snapshot:
     hit_last: float | None = None
     hit_reachable: float | None = None  # what the last step's submission path can reach
     hit_path: str | None = None         # that path ("warm-up first", "prefilled together", ...)
+    hit_shared: float | None = None     # what the cache could serve on top of it, across groups
     hit_trend: list[float] = field(default_factory=list)
     has_server: bool = False
     has_tracker: bool = False
@@ -116,7 +119,7 @@ def snapshot_text(snap: Snapshot) -> str:
     if snap.has_tracker:
         low, high = trend_range(snap.hit_trend)
         lines.append(f"prefix-cache hit rate  cumulative {_rate(snap.hit_cumulative)}"
-                     f" · last step {_rate(snap.hit_last)}{_reachable_text(snap)}"
+                     f" · last step {_rate(snap.hit_last)}{_reachable(snap)}"
                      f" · trend {sparkline(snap.hit_trend, low, high)} {_trend_label(snap.hit_trend)}")
     lines += [f"! {error}" for error in snap.errors]
     if snap.note:
@@ -228,7 +231,7 @@ def _hit_rate_html(snap: Snapshot) -> str:
 
     low, high = trend_range(snap.hit_trend)
     reachable = (f' <span class="artsg-hit-rate-reachable" data-value="{snap.hit_reachable:.4f}" '
-                 f'style="color:#666">{_esc(_reachable_text(snap))}</span>') if snap.hit_reachable is not None else ""
+                 f'style="color:#666">{_esc(_reachable(snap))}</span>') if snap.hit_reachable is not None else ""
     return (f'<div class="artsg-hit-rate-row">prefix-cache hit rate · cumulative '
             f'{value("artsg-hit-rate artsg-hit-rate-cumulative", snap.hit_cumulative)} · '
             f'last step {value("artsg-hit-rate-last", snap.hit_last)}{reachable} · trend '
@@ -236,11 +239,8 @@ def _hit_rate_html(snap: Snapshot) -> str:
             f'<span style="color:#666">{_esc(_trend_label(snap.hit_trend))}</span></div>')
 
 
-def _reachable_text(snap: Snapshot) -> str:
-    """" of 0.94 reachable (warm-up first)": what the last step's submission path can reach."""
-    if snap.hit_reachable is None:
-        return ""
-    return f" of {snap.hit_reachable:.2f} reachable" + (f" ({snap.hit_path})" if snap.hit_path else "")
+def _reachable(snap: Snapshot) -> str:
+    return reachable_text(snap.hit_reachable, snap.hit_path, snap.hit_shared)
 
 
 def _fraction(row: GpuRow) -> float | None:

@@ -25,10 +25,11 @@ $(VENV)/.installed: environment-train.yml pyproject.toml tools/yml_requirements.
 	touch $@
 
 # In a git checkout, the nbstripout filter strips outputs from notebooks/*.ipynb as they are
-# committed (JupyterLab's autosave writes them into the tracked files); once per clone.
+# committed (JupyterLab's autosave writes them into the tracked files); once per clone. The
+# attributes go in .gitattributes (committed), where results notebooks are exempt.
 venv: $(VENV)/.installed
 	@if git rev-parse --git-dir >/dev/null 2>&1 && ! git config --get filter.nbstripout.clean >/dev/null; then \
-		$(VENV)/bin/nbstripout --install && echo "nbstripout git filter installed: notebooks are committed without outputs"; fi
+		$(VENV)/bin/nbstripout --install --attributes .gitattributes && echo "nbstripout git filter installed: notebooks are committed without outputs"; fi
 
 # Server environments for a GPU box without conda (conda users: environment-server.yml /
 # environment-vllm.yml): `make server-env` builds .venv-server/, `make vllm-env` .venv-vllm/.

@@ -155,3 +155,84 @@ def test_the_watcher_does_not_take_the_kernel_that_kept_the_server_for_its_adopt
         assert not procs.is_running(server.pid, None)
     finally:
         server.stop()  # this process's bookkeeping (server.live_servers()): the watcher stopped the process
+
+
+GATED_ENGINE = r'''
+import argparse, http.server, os, time
+from pathlib import Path
+p = argparse.ArgumentParser()
+p.add_argument("--host"); p.add_argument("--port", type=int)
+a = p.parse_args()
+here = Path(__file__).parent
+class Gated(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # the first request after the test makes `hold` waits for `go`
+        try:
+            os.rename(here / "hold", here / "held")
+        except FileNotFoundError:
+            pass
+        else:
+            while not (here / "go").exists():
+                time.sleep(0.01)
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer((a.host, a.port), Gated).serve_forever()
+'''
+
+
+def _server_of(run_dir: Path, engine: Path):
+    from artsg_nb.serving.server import Server
+    from artsg_nb.serving.server_config import with_env_args
+    return Server(with_env_args(ServerConfig(engine="cpu", model_path="fake", run_dir=str(run_dir), _command_override=(
+        sys.executable, str(engine), "--host", "{host}", "--port", "{port}"))))
+
+
+def test_two_kernels_adopting_one_leftover_server_do_not_both_own_it(tmp_path):
+    """Kernel A has read the dead kernel's record and is checking the server when kernel B reads
+    it too: before, both checked, both wrote themselves in as its owner and both used (and would
+    stop) it. Now A claims the record first, so B finds it owned and leaves it alone."""
+    import threading
+
+    engine = tmp_path / "gated_engine.py"
+    engine.write_text(GATED_ENGINE)
+    run_dir = tmp_path / "run"
+    pid, _ = kernel(run_dir, engine, grace_s=0, how="die")
+    a, b = _server_of(run_dir, engine), _server_of(run_dir, engine)
+    adopted = {}
+    (tmp_path / "hold").touch()  # A's first request to the server waits
+    first = threading.Thread(target=lambda: adopted.update(a=a.adopt(reap=False)))
+    first.start()
+    try:
+        wait_until(lambda: (tmp_path / "held").exists(), what="kernel A checking the server")
+        adopted["b"] = b.adopt(reap=False)
+    finally:
+        (tmp_path / "go").touch()
+        first.join(60)
+    assert sorted(adopted.values()) == [False, True], f"both kernels took the server: {adopted}"
+    owner = procs.ProcessRecord.load(run_dir / "cpu.server.json")
+    assert owner.pid == pid and owner.owner_pid == os.getpid()
+    for server in (a, b):
+        server.stop()
+    assert not procs.is_running(pid, None)
+
+
+def test_the_watcher_leaves_a_server_a_kernel_adopts_at_its_deadline(tmp_path, engine, monkeypatch):
+    """The deadline passes while a kernel adopts the kept server: before, the watcher, which had
+    read the record just before, stopped the server the kernel had just taken. Now the watcher
+    claims the record before it stops anything; the adoption comes too late and says so."""
+    run_dir = tmp_path / "run"
+    pid, _ = kernel(run_dir, engine, grace_s=300)  # kept, its own watcher asleep for 300 s
+    rec = procs.ProcessRecord.load(run_dir / "cpu.server.json")
+    due = procs.ProcessRecord(**{**rec.__dict__, "keep_until": time.time()})
+    due.save()
+    adopter, adopted = _server_of(run_dir, engine), []
+    real_stop_group = procs.stop_group
+
+    def adopt_then_stop(pgid, *args, **kwargs):  # a kernel adopts it between the watcher's look and its stop
+        adopted.append(adopter.adopt(reap=False))
+        return real_stop_group(pgid, *args, **kwargs)
+
+    monkeypatch.setattr(procs, "stop_group", adopt_then_stop)
+    assert leftovers.expire(due.global_path, poll_s=0.05) == "stopped"
+    assert adopted == [False], "a kernel adopted the server the watcher then stopped"
+    assert not procs.is_running(pid, None)

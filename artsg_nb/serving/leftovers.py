@@ -10,13 +10,18 @@ it meanwhile (server.Server.adopt: a start with the same config and run dir). `l
 machine from their pid records (`serving.procs.state_dir()`) and stop them by process group.
 
 A process is named by its record (pid and create time), never by its name: nothing here can stop
-a process this user's kernels did not start.
+a process this user's kernels did not start. Taking a kept or orphaned server over is a `claim`: its
+record's owner is rewritten under one lock of this user's (state_dir()/.claims.lock), only if it
+is still the record the claimer read, so of two kernels adopting the same server, or a kernel and
+the watcher at the deadline, exactly one owns it; the others leave it alone.
 
 What it does not do: start or adopt servers (server.py), or stop servers of a live kernel unless
 asked (`stop_servers(all=True)` or by pid).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import socket
@@ -76,9 +81,45 @@ def expire(record_path: str | Path, poll_s: float = 1.0) -> str:
             return "adopted"
         left = (rec.keep_until or 0.0) - time.time()
         if left <= 0:
-            _stop(rec, "its grace period after the kernel's exit ended and no kernel adopted it")
+            claimed = claim(record_path, rec)  # not while a kernel adopts it: one of the two owns it
+            if claimed is None:
+                continue  # claimed meanwhile: the next look says by whom
+            _stop(claimed, "its grace period after the kernel's exit ended and no kernel adopted it")
             return "stopped"
         time.sleep(min(left, poll_s))
+
+
+def claim(record_path: str | Path, seen: ProcessRecord) -> ProcessRecord | None:
+    """Make this process the owner of the server recorded at `record_path`, atomically with every
+    other claim of this user's (kernels adopting it, the watcher stopping it): only while the
+    record still names the server and the owner `seen` names. Returns the record saved with the
+    new owner, or None when another process claimed it first, or it is gone: then the caller
+    must not use or stop the server."""
+    with _claims_lock():
+        rec = ProcessRecord.load(Path(record_path))
+        if rec is None or _ownership(rec) != _ownership(seen):
+            return None
+        me = os.getpid()
+        claimed = replace(rec, owner_pid=me, owner_create_time=procs.create_time(me) or 0.0)
+        claimed.save()
+        return claimed
+
+
+def _ownership(rec: ProcessRecord) -> tuple:
+    return rec.pid, rec.create_time, rec.owner_pid, rec.owner_create_time
+
+
+@contextlib.contextmanager
+def _claims_lock():
+    """This user's lock over claims (an flock, dropped by the OS if the holder dies)."""
+    path = procs.state_dir() / ".claims.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -156,13 +197,15 @@ def _info(rec: ProcessRecord) -> ServerInfo:
 
 
 def _stop(rec: ProcessRecord, why: str) -> None:
+    """Stop the server's process group, say why at the end of its log, then remove its records
+    (last: a record gone means the whole stop is done)."""
     how = procs.stop_group(rec.pgid)
     procs.wait_port_free(rec.host, rec.port)
-    rec.remove()
     try:
         with open(rec.log_path, "a", encoding="utf-8") as f:
             f.write(f"\n==== artsg_nb {datetime.now().isoformat(timespec='seconds')}: server pid {rec.pid} "
                     f"{how}: {why}\n")
     except OSError:
         pass  # the log's directory was removed: the record is what mattered
+    rec.remove()
     log.info("%s server pid %d %s: %s", rec.engine, rec.pid, how, why)

@@ -334,6 +334,9 @@ class Server(ManagedProcess):
                 or (self.config.port is not None and rec.port != self.config.port)
                 or (self.launch_key is not None and rec.api_key != self.launch_key)):
             return False
+        claimed = leftovers.claim(path, rec)  # first: another kernel, or the watcher, may be taking it too
+        if claimed is None:
+            return False
         headers = {"Authorization": f"Bearer {rec.api_key}"} if rec.api_key else {}
         base = server_url(self.config.host, rec.port)
         try:
@@ -342,12 +345,12 @@ class Server(ManagedProcess):
                       and http.get(f"{base}{self.config.spec.auth_probe}").status_code == 200)
         except httpx.HTTPError:
             ok = False
-        if not ok:
+        if not ok:  # claimed, so the start that follows stops it (_check_run_dir_record)
             log.warning("not adopting the %s server pid %d on port %d: it does not answer, or its "
                         "recorded key is refused", rec.engine, rec.pid, rec.port)
             return False
         self.port, self.api_key = rec.port, rec.api_key
-        self._own(replace(rec, owner_pid=os.getpid(), owner_create_time=procs.create_time(os.getpid()) or 0.0))
+        self._own(claimed)  # the record, claimed above, saved again as this Server's
         log.info("adopted the %s server pid %d on %s that a dead kernel (pid %d) started",
                  rec.engine, rec.pid, self.url, rec.owner_pid)
         if reap:

@@ -104,7 +104,7 @@ def test_docs_list_the_columns_of_the_one_row_schema():
     import re
     from pathlib import Path
 
-    from artsg_nb.run.history import StepRow
+    from artsg_nb.run.row import StepRow
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "internals.md").read_text()
     section = text[text.index("## History columns"):]
@@ -114,7 +114,7 @@ def test_docs_list_the_columns_of_the_one_row_schema():
 
 
 def test_a_step_row_writes_its_groups_in_place_and_leaves_absent_ones_out(tmp_path):
-    from artsg_nb.run.history import FleetFields, MemoryFields, PipelineFields, step_row
+    from artsg_nb.run.row import FleetFields, MemoryFields, PipelineFields, step_row
 
     sync = step_row(1, "policy-step-1", [], {"loss": 0.5}).as_dict()
     assert sync["release_s"] is None and sync["resume_s"] is None, "the memory group is in every row"
@@ -194,7 +194,7 @@ def test_a_huge_finite_reward_gives_a_row_with_its_statistics_null(tmp_path, cap
     from types import SimpleNamespace
 
     from artsg_nb.rollout.trajectory import Trajectory
-    from artsg_nb.run.history import step_row
+    from artsg_nb.run.row import step_row
 
     trajs = [Trajectory(messages=[], token_ids=[1, 2], completion_mask=[0, 1], logprobs=[0.0, -1.0], reward=r)
              for r in (1e200, -1e200, 0.0, 1.0)]

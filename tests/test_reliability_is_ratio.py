@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from artsg_nb.rl.grpo import GRPOConfig
-from artsg_nb.run.history import step_row
+from artsg_nb.run.row import step_row
 from artsg_nb.rl.trainer import Trainer, TrainerConfig
 from test_distributed import _groups
 

@@ -17,7 +17,8 @@ from artsg_nb.rollout.evaluate import evaluate  # noqa: E402
 from artsg_nb.rollout.groups import collect_groups  # noqa: E402
 from artsg_nb.rollout.samples import read_samples, samples_block, write_rollouts  # noqa: E402
 from artsg_nb.run.config_checks import ConfigError  # noqa: E402
-from artsg_nb.run.history import COLUMNS, History, step_row  # noqa: E402
+from artsg_nb.run.history import COLUMNS, History  # noqa: E402
+from artsg_nb.run.row import step_row  # noqa: E402
 from artsg_nb.run.session import GRPORun, RunConfig  # noqa: E402
 from artsg_nb.tasks.registry import Task  # noqa: E402
 from artsg_nb.view.plots import panels  # noqa: E402

@@ -45,7 +45,7 @@ import logging
 import threading
 
 from .clock import PhaseClock
-from .history import PipelineFields
+from .row import PipelineFields
 from .results import Rollouts, Saved, Update
 from .source import RolloutSource
 from .supervisor import ServerSupervisor

@@ -7,7 +7,7 @@ the memory released around it, the version a pipelined update saved) → `Publis
 the step ends with, the save + reload seconds, the served-adapter probe). `Saved` is a version
 written to disk and the seconds that took (its load too once staged).
 
-What it does not do: compute anything (the phases do) or decide the history row (history.StepRow).
+What it does not do: compute anything (the phases do) or decide the history row (row.StepRow).
 """
 from __future__ import annotations
 

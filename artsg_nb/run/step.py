@@ -12,7 +12,7 @@ PhaseClock:
             beside the next step's rollouts (SampleAhead.train)
   version   the new version saved, loaded and served (versions.AdapterVersions), checked when due;
             or, in `run()`, left to the next step to serve beside its own update
-  row       the history row (history.StepRow) written, logged to trackers, old versions pruned
+  row       the history row (row.StepRow) written, logged to trackers, old versions pruned
 
 `train_on(groups, release)` is the same step on groups rolled out elsewhere (ART). Each phase is
 a point where the step can stop (an error, or an interrupt: the notebook's stop button cancels at
@@ -40,7 +40,8 @@ from ..rollout.samples import constant_groups, samples_block, write_rollouts
 from ..rollout.trajectory import require_rewards
 from .clock import PhaseClock
 from .config import RunConfig
-from .history import EvalFields, FleetFields, History, MemoryFields, PipelineFields, step_row
+from .history import History
+from .row import EvalFields, FleetFields, MemoryFields, PipelineFields, step_row
 from .pipeline import SampleAhead
 from .released import train_released
 from .results import Published, Rewards, Rollouts, Saved, Update
@@ -181,7 +182,7 @@ class GRPOStep:
     def _build_row(self, rollouts: Rollouts, update: Update, published: Published | None,
                    pipeline: PipelineFields | None, reload_s: float | None = None,
                    evaluation: EvalFields | None = None) -> dict:
-        """The step's row (history.step_row); `published` None: a step interrupted after its
+        """The step's row (row.step_row); `published` None: a step interrupted after its
         version was served, whose row has no reload_s or probe. Statistics that cannot be computed
         never lose the row: it is written with what is known, and a warning says why."""
         stats = self.supervisor.server.worker_stats()  # a fleet's per-worker figures since the last scrape

@@ -16,29 +16,17 @@ What it does
   group_reward, reward functions) runs under `task_timeout_s` (tasks/task_code.py).
 - Length budget: a trajectory never exceeds `max_seq_tokens`; a request's `max_new_tokens` is
   clamped to the room left, and an episode that runs out of room is cut (`truncated=True`).
-- Submission order (`schedule`), the lever on the prefix-cache hit rate. SGLang's radix cache
-  reuses a prompt only once its prefill has finished: G identical prompts in one prefill batch
-  are all computed (measured on an H200: hit rate 0.28 instead of (G-1)/G = 0.875).
-    "naive"        every request at once (the baseline the others are measured against).
-    "prefix"       per group a leader first; the G-1 followers are sent when the leader's first
-                   token streams back (its prompt is cached by then). Leaders of all groups go
-                   out together, so they share prefill batches.
-    "prefix_sync"  as "prefix", but followers of all groups are released together once every
-                   leader has its first token: one follower prefill batch, lock-step decoding.
-    "prefix_n"     as "prefix", but the followers go as one request with n = G-1.
-    "n"            one request with n = G per group (engine-native parallel sampling; SGLang
-                   primes the cache with a prefill-only copy first, vLLM shares blocks). Under an
-                   adapter on an SGLang with the n > 1 reference bug (sglang#36894, every release
-                   so far) the client sends the same work as that warm-up plus one batch of G
-                   n = 1 samples, whose references balance (engines/sglang.py).
-  Only turn 1 is scheduled; later turns extend each episode's own history.
+- Submission order (`schedule`, one of `SCHEDULES`), the lever on the prefix-cache hit rate: how
+  each group's turn-1 requests go out (rollout/submission.py says how each schedule sends them and
+  what the cache can reach of each). Only turn 1 is scheduled; later turns extend each episode's
+  own history.
 - Seeds: with `sampling_seed_base`, member i of a group at model turn t is sampled with the seed
   `request_seed(base, group seed, t) + i` (an n-sample request for members i..i+n-1 sends the
   seed of member i: engines seed sample j with seed + j), so a redone or resumed step draws the
   same samples under every schedule.
 
-What it does not do: talk HTTP (engines/), compute advantages (grpo.py), build tensors
-(trainer.py). Env methods are called in the event loop, so they should be quick, or `async def`
+What it does not do: decide the order of a group's turn-1 requests (submission.py), talk HTTP
+(engines/), compute advantages (grpo.py), build tensors (trainer.py). Env methods are called in the event loop, so they should be quick, or `async def`
 (awaited: a tool call that hits an API). A task with `group_reward` (dataset tasks) is scored
 once per group after its episodes end; a reward it cannot give is `Trajectory.reward_error`.
 """
@@ -49,19 +37,18 @@ import inspect
 import logging
 import math
 import random
+import functools
 from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Coroutine, Sequence
 
 from tqdm.auto import tqdm
 
 from .chat_tokens import TokenizerError, env_suffix_ids, render_ids
+from .submission import SCHEDULES, Release, Reuse, close_unstarted, first_reuse, first_turns
 from ..tasks.task_code import DEFAULT_TIMEOUT_S, EnvError, await_task_code, call_task_code
 from .trajectory import RolloutError, Trajectory, TrajectoryGroup, rollout_stats
 
 log = logging.getLogger(__name__)
-
-SCHEDULES = ("naive", "prefix", "prefix_sync", "prefix_n", "n")
-"""Turn-1 submission orders accepted by `collect_groups` (see the module docstring)."""
 
 # ---------------------------------------------------------------------------- episodes
 
@@ -150,7 +137,7 @@ def _finite_reward(reward) -> float:
     return value
 
 
-def _append_model_turn(ctx: _Ctx, traj: Trajectory, gen, max_new: int, reuse: "_Reuse") -> None:
+def _append_model_turn(ctx: _Ctx, traj: Trajectory, gen, max_new: int, reuse: Reuse) -> None:
     traj.token_ids += gen.output_ids
     traj.completion_mask += [1] * len(gen.output_ids)
     traj.logprobs += list(gen.logprobs)
@@ -193,7 +180,7 @@ def _cut(ctx: _Ctx, traj: Trajectory) -> None:
 
 
 async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_new: int,
-                index: int, first_reuse: Callable[[Any], "_Reuse"]) -> Trajectory:
+                index: int, first_reuse: Callable[[Any], Reuse]) -> Trajectory:
     """Play one episode from its (scheduled) first generation; errors end up in `traj.error`."""
     try:
         gen, max_new = await first, first_max_new
@@ -202,7 +189,7 @@ async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_ne
             _append_model_turn(ctx, traj, gen, max_new, reuse)
             # The server caches this turn's prompt and reply (all but the last sampled token,
             # whose KV it never computed): the next turn's prompt can reuse them.
-            reuse = _Reuse(len(traj.token_ids) - 1, "own history")
+            reuse = Reuse(len(traj.token_ids) - 1, "own history")
             result = await ctx.env_call("env.step", env.step, gen.text)
             if result.done:
                 if not ctx.group_scored:  # else _score_group pays the reward once the group is done
@@ -222,119 +209,8 @@ async def _play(ctx: _Ctx, env, traj: Trajectory, first: Awaitable, first_max_ne
         return traj
 
 
-# ---------------------------------------------------------------------------- reusable prompt tokens
-
-@dataclass(frozen=True)
-class _Reuse:
-    """What the prefix cache can serve of one request's prompt, by how it was submitted
-    (serving.metrics.reachable_hit_rate sums these): `tokens` (at most the prompt less its last
-    token, which engines always recompute for its logits), `submission` (how), and `exact`:
-    False where the order the server sees is not ours to know (every request at once), so
-    `tokens` is the most the cache could serve, not what it can."""
-
-    tokens: int
-    submission: str
-    exact: bool = True
-
-
-def _first_reuse(schedule: str, index: int, prompt_len: int, shared_prompt: bool) -> Callable[[Any], _Reuse]:
-    """How much of a group member's turn-1 prompt the cache can serve, given its Generation:
-    the group's prompt is computed by a leader, a warm-up, or the engine's own prefill copy
-    before the others read it (`Generation.submission`); copies prefilled together read nothing."""
-    whole = max(prompt_len - 1, 0)
-    if not shared_prompt:
-        return lambda gen: _Reuse(0, "own prompt")
-    if schedule == "naive":
-        return lambda gen: _Reuse(whole if index else 0, "unordered", exact=False)
-    if schedule == "n":
-        def by_engine(gen) -> _Reuse:
-            how = getattr(gen, "submission", None)
-            if how is None:  # an engine that says nothing of how it ran n samples: a bound
-                return _Reuse(whole if index else 0, "engine n", exact=False)
-            return _Reuse(whole if how in ("warm-up first", "after first copy") else 0, how)
-        return by_engine
-    return lambda gen: _Reuse(whole, "after leader") if index else _Reuse(0, "leader")
-
-
-# ---------------------------------------------------------------------------- turn-1 schedules
-
-class _Release:
-    """Followers wait on this; it opens after `count` leaders have produced a first token
-    (or finished, failed included)."""
-
-    def __init__(self, count: int):
-        self.left, self.event = count, asyncio.Event()
-
-    def arrive(self, *_: Any) -> None:
-        self.left -= 1
-        if self.left <= 0:
-            self.event.set()
-
-
-async def _lead(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, seed: int | None) -> Any:
-    arrived = False
-
-    def first_token(*_: Any) -> None:
-        nonlocal arrived
-        if not arrived:
-            arrived = True
-            release.arrive()
-
-    try:
-        [gen] = await _generate(ctx, ids, max_new, on_first_token=first_token, seed=seed)
-        return gen
-    finally:
-        first_token()  # a leader that fails (or never streamed) still releases its followers
-
-
-async def _follow(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, seed: int | None,
-                  n: int = 1) -> list:
-    await release.event.wait()
-    return await _generate(ctx, ids, max_new, n=n, seed=seed)
-
-
-async def _follow_one(ctx: _Ctx, ids: list[int], max_new: int, release: _Release, seed: int | None) -> Any:
-    [gen] = await _follow(ctx, ids, max_new, release, seed)
-    return gen
-
-
-async def _pick(shared: asyncio.Future, i: int) -> Any:
-    return (await shared)[i]
-
-
-async def _single(ctx: _Ctx, ids: list[int], max_new: int, seed: int | None) -> Any:
-    [gen] = await _generate(ctx, ids, max_new, seed=seed)
-    return gen
-
-
-def _first_turns(ctx: _Ctx, schedule: str, ids: list[int], max_new: int, size: int,
-                 release: _Release | None, group_seed: int) -> tuple[list[Coroutine], list[asyncio.Future]]:
-    """(one coroutine of its first Generation per group member, submitted in `schedule`'s order;
-    the requests they share, already submitted: an n-sample request's task)."""
-    seeds = [ctx.seed(group_seed, 0, i) for i in range(size)]  # member i's, whatever the schedule
-    if schedule == "naive" or size == 1:
-        return [_single(ctx, ids, max_new, seeds[i]) for i in range(size)], []
-    if schedule == "n":
-        shared = asyncio.ensure_future(_generate(ctx, ids, max_new, n=size, seed=seeds[0]))
-        return [_pick(shared, i) for i in range(size)], [shared]
-    release = release or _Release(1)  # "prefix"/"prefix_n": this group's leader only
-    leader = _lead(ctx, ids, max_new, release, seeds[0])
-    if schedule == "prefix_n":
-        shared = asyncio.ensure_future(_follow(ctx, ids, max_new, release, seeds[1], n=size - 1))
-        return [leader] + [_pick(shared, i) for i in range(size - 1)], [shared]
-    return [leader] + [_follow_one(ctx, ids, max_new, release, seeds[i]) for i in range(1, size)], []
-
-
-def _close_unstarted(firsts: list[Coroutine]) -> None:
-    """Close the first turns of members cancelled before they started (never awaited: closed, no
-    "never awaited" warning); a no-op for those that ran."""
-    for first in firsts:
-        if inspect.getcoroutinestate(first) == inspect.CORO_CREATED:
-            first.close()
-
-
 async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
-                 release: _Release | None, done: Callable[[], None]) -> TrajectoryGroup:
+                 release: Release | None, done: Callable[[], None]) -> TrajectoryGroup:
     envs, openings = [], []
     try:
         envs, openings = await ctx.open_envs(task, seed, size)
@@ -357,10 +233,11 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
             t.error = (f"RolloutError: the prompt has {len(t.token_ids)} tokens, no room under "
                        f"max_seq_tokens={ctx.max_seq_tokens}")
         return TrajectoryGroup(seed, trajs)
-    firsts, shared = _first_turns(ctx, schedule, prompts[0], max_new, size, release, seed)
+    seeds = [ctx.seed(seed, 0, i) for i in range(size)]  # member i's, whatever the schedule
+    firsts, shared = first_turns(functools.partial(_generate, ctx), schedule, prompts[0], max_new, seeds, release)
 
     async def play(env, traj, first, index):
-        reuse = _first_reuse(schedule, index, len(prompts[index]), prompts[index] == prompts[0] and size > 1)
+        reuse = first_reuse(schedule, index, len(prompts[index]), prompts[index] == prompts[0] and size > 1)
         out = await _play(ctx, env, traj, first, max_new, index, reuse)
         done()
         return out
@@ -368,7 +245,7 @@ async def _group(ctx: _Ctx, task, seed: int, size: int, schedule: str,
     try:  # a shared request nobody awaits any more (no member started) is cancelled with them
         trajs = await _gather_all(list(map(play, envs, trajs, firsts, range(size))), also=shared)
     finally:  # every member and shared request has ended here, a cancelled one too
-        _close_unstarted(firsts)
+        close_unstarted(firsts)
     if ctx.group_scored:
         await _score_group(ctx, task, envs, trajs)
     return TrajectoryGroup(seed, trajs)
@@ -466,7 +343,7 @@ async def collect_groups(client, task, tokenizer, seeds: Sequence[int], group_si
                truncation_reward, max(1, int(getattr(task, "max_turns", 1) or 1)), seed_base=sampling_seed_base,
                group_scored=getattr(task, "group_reward", None) is not None,
                task_name=str(getattr(task, "name", type(task).__name__)), timeout_s=task_timeout_s)
-    release = _Release(len(seeds)) if schedule == "prefix_sync" and group_size > 1 else None
+    release = Release(len(seeds)) if schedule == "prefix_sync" and group_size > 1 else None
     with tqdm(total=len(seeds) * group_size, desc="rollouts", disable=not progress) as bar:
         groups = await _gather_all([_group(ctx, task, seed, group_size, schedule, release, lambda: bar.update(1))
                                     for seed in seeds])

@@ -68,13 +68,6 @@ def test_steps_train_on_rollouts_of_the_previous_adapter(tiny_model_dir, tmp_pat
     assert max(abs(r["is_ratio_max"] - r["is_ratio_min"]) for r in rows[1:]) > 1e-2
 
 
-def test_synchronous_rows_are_unchanged(tiny_model_dir, tmp_path):
-    with GRPORun(_cfg(tiny_model_dir, tmp_path, groups_per_step=2)) as run:
-        assert run.trainer.cfg.grpo.is_mode is None
-        row = asyncio.run(run.step())
-    assert "staleness" not in row and "ahead_wait_s" not in row and "reload_wait_s" not in row
-
-
 @pytest.mark.slow
 def test_pipelined_reward_rises_like_the_synchronous_run(tiny_model_dir, tmp_path):
     # Same seeds, 6 steps of 8x8 each (deterministic on CPU). Measured when written, last-3-step mean
@@ -82,13 +75,20 @@ def test_pipelined_reward_rises_like_the_synchronous_run(tiny_model_dir, tmp_pat
     # seed 2 0.720 vs 0.723; over 8 steps seed 3 0.817 vs 0.764, seed 4 0.816 vs 0.653 (the widest
     # gap seen). Step 1 is the same in both (synchronous, same adapter and seeds); the pipelined
     # curve lags one step (step 2 is sampled under policy-step-0 again: 0.34 vs 0.73 here).
-    means = {}
+    # The synchronous leg is also the check that GRPO learns with the default settings within four
+    # steps (it was a run of its own in test_session.py, the same config and seeds): the tiny model
+    # starts out answering about half the sums in a sentence, which scores 0, and drops that habit
+    # (0.38 -> 0.71 at step 3 when written; the near-miss recipe this replaced stayed flat, 0.64 -> 0.61).
+    means, curves = {}, {}
     for pipeline in (False, True):
         cfg = RunConfig(task="addition", engine="cpu", model_path=str(tiny_model_dir), verify_adapter=False,
                         run_dir=str(tmp_path / f"run-{pipeline}"), verbose=False, pipeline=pipeline)
         with GRPORun(cfg) as run:
             df = asyncio.run(run.run(6)).df
         means[pipeline] = (df["reward_mean"].iloc[0], df["reward_mean"].iloc[3:].mean())
+        curves[pipeline] = df["reward_mean"]
+    first, early = curves[False].iloc[0], curves[False].iloc[2:4].mean()
+    assert early >= first + 0.15, f"reward should rise within four steps: {list(curves[False].round(3))}"
     (first_sync, late_sync), (first_pipe, late_pipe) = means[False], means[True]
     assert first_pipe == pytest.approx(first_sync), "step 1 rolls out synchronously in both: the same samples"
     assert late_pipe >= first_pipe + 0.15, f"pipelined reward should rise: {means}"
@@ -120,9 +120,11 @@ def test_stop_with_rollouts_in_flight_leaves_no_task(tiny_model_dir, tmp_path):
             assert ahead.done() and step.cancelled()
             assert asyncio.all_tasks() == {asyncio.current_task()}, asyncio.all_tasks()
 
+        rollbacks = _record_rollbacks(run)
         asyncio.run(stop_midway())
-        # the cancelled step's update (finished by its worker thread) was undone: step 2 can run again
+        # the cancelled step's update (finished by its worker thread) was undone, once: step 2 can run again
         assert run.trainer.step == 1 and run.sampler.ahead is None and len(run.history.df) == 1
+        assert rollbacks == ["policy-step-1"], rollbacks
     finally:
         run.stop()
 
@@ -198,44 +200,6 @@ def test_a_step_cancelled_after_its_early_save_rolls_back_even_to_a_checkpoint_k
 
 
 
-def test_a_step_cancelled_during_its_update_rolls_back_once_and_the_run_goes_on(tiny_model_dir, tmp_path):
-    """Interrupted while its update runs in the worker thread: the step waits for the thread, then
-    rolls the trainer back once (before: the pipeline and then the step each did), and the redo
-    and the step after it continue with contiguous numbers and served versions."""
-    with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
-        asyncio.run(run.step())
-        training, finish = threading.Event(), threading.Event()
-        real_train, real_load = run.trainer.train_step, run.trainer.load_checkpoint
-        rollbacks = []
-
-        def held_update(groups):  # the update the interrupt lands in
-            training.set()
-            finish.wait(30)
-            return real_train(groups)
-
-        def recording_load(path):
-            rollbacks.append(os.path.basename(path))
-            return real_load(path)
-
-        run.trainer.train_step, run.trainer.load_checkpoint = held_update, recording_load
-
-        async def interrupt_during_update():
-            step = asyncio.ensure_future(run.step())
-            await wait_until_async(training.is_set)
-            step.cancel()  # lands on the await of the worker thread; the thread runs on
-            finish.set()
-            await asyncio.wait([step])
-            return step
-
-        assert asyncio.run(interrupt_during_update()).cancelled()
-        assert rollbacks == ["policy-step-1"], f"one rollback, to the served version: {rollbacks}"
-        assert run.trainer.step == 1 and run.adapter == "policy-step-1" and len(run.history) == 1
-        run.trainer.train_step = real_train
-        rows = [asyncio.run(run.step()) for _ in range(2)]
-        assert [r["step"] for r in rows] == [2, 3] and run.adapter == "policy-step-3"
-        assert [r["step"] for r in run.history.rows] == [1, 2, 3] and rollbacks == ["policy-step-1"]
-
-
 async def _interrupt_step(run, ready) -> asyncio.Future:
     """run.step(), cancelled (a notebook's interrupt) once `ready()` turns true; the step's future."""
     step = asyncio.ensure_future(run.step())
@@ -292,20 +256,38 @@ def test_the_new_adapter_is_loaded_while_the_rollouts_ahead_still_run(tiny_model
 
 def test_a_step_cancelled_after_staging_its_adapter_can_be_run_again(tiny_model_dir, tmp_path, caplog):
     """The cancelled step's version stays loaded on the server, unserved; its redo saves another
-    version under the same name, which replaces it there (the server refuses a name twice)."""
+    version under the same name, which replaces it there (the server refuses a name twice). The
+    trainer is rolled back once, by the step (before: by the pipeline, then again by the step),
+    and the run goes on with contiguous steps."""
     with GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True)) as run:
         asyncio.run(run.step())
         real_rollouts = run.source.rollouts
         _slow_ahead(run)  # still running when the step is interrupted
+        rollbacks = _record_rollbacks(run)
 
         assert asyncio.run(_interrupt_step(run, lambda: run.publisher.staged_loaded)).cancelled()
+        assert rollbacks == ["policy-step-1"], f"one rollback, to the served version: {rollbacks}"
         assert run.trainer.step == 1 and run.adapter == "policy-step-1"
         assert run.publisher.staged is not None and run.publisher.staged.name == "policy-step-2"
         run.source.rollouts = real_rollouts
         caplog.clear()
-        row = asyncio.run(run.step())
-        assert row["step"] == 2 and run.adapter == "policy-step-2" and run.publisher.staged is None
+        rows = [asyncio.run(run.step()) for _ in range(2)]
+        assert rows[0]["step"] == 2 and rows[1]["step"] == 3 and run.adapter == "policy-step-3"
+        assert run.publisher.staged is None and [r["step"] for r in run.history.rows] == [1, 2, 3]
+        assert rollbacks == ["policy-step-1"]
     assert "beside the rollouts ahead failed" not in caplog.text, "the redo's load was refused"
+
+
+def _record_rollbacks(run) -> list[str]:
+    """The versions the trainer is rolled back to (trainer.load_checkpoint), filled as they come."""
+    rollbacks, real = [], run.trainer.load_checkpoint
+
+    def load(path):
+        rollbacks.append(os.path.basename(path))
+        return real(path)
+
+    run.trainer.load_checkpoint = load
+    return rollbacks
 
 
 def test_reload_wait_counts_the_save_left_after_rollouts_that_ended_before_the_update(tiny_model_dir, tmp_path):

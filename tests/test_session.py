@@ -1,6 +1,7 @@
-"""Three GRPO steps through the CPU engine subprocess, the way the quickstart runs them: each step
-loads a new adapter, unloads the old one, and the next rollouts are served by the new one; then
-rollouts outside training (GRPORun.rollouts) under the newest adapter. The served adapter is checked
+"""Four GRPO steps through the CPU engine subprocess, the way the quickstart runs them: each step
+loads a new adapter, unloads the old one, and the next rollouts are served by the new one (the
+fourth with a /metrics scrape the parser refuses: it costs the dashboard one window, not the
+step); then rollouts outside training (GRPORun.rollouts) under the newest adapter. The served adapter is checked
 against the trainer at the first reload on the server and then every verify_every steps. (That
 GRPO learns with the default settings is checked by test_pipeline.py's synchronous leg.)"""
 import asyncio
@@ -13,7 +14,7 @@ from artsg_nb.run.versions import AdapterVersions, VerifyPolicy
 from scripted_tasks import ADDITION_WITH_SIGNAL
 
 
-def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
+def test_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
     # scripted reward: every step has a signal, so every step publishes a new adapter
     cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
                     run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=2, verbose=False, verify_every=2)
@@ -47,18 +48,29 @@ def test_three_steps_reload_and_serve_the_new_adapter(tiny_model_dir, tmp_path):
             else:
                 assert row["probe_mad"] is None and row["probe_moved"] is None, "step 3's check was not due"
             assert (tmp_path / "run" / "adapters" / f"policy-step-{step}" / "adapter_model.safetensors").exists()
+
+        # A scrape the parser refuses (a body cut mid-line: prometheus_client raises ValueError)
+        # costs the dashboard one window, not the step.
+        async def cut_short():
+            text = await counted_metrics()
+            return text[:text.index("\nsglang:prompt_tokens_total") + 40]
+
+        run.client.metrics_text = cut_short
+        row = asyncio.run(run.step())
+        run.client.metrics_text = counted_metrics
+        assert row["step"] == 4 and run.adapter == "policy-step-4"
         df = run.history.df
         # Rollouts outside training: served by the newest adapter, nothing trained or recorded.
         extra = asyncio.run(run.rollouts([11, 12], schedule="n"))
         assert [g.seed for g in extra] == [11, 12] and all(len(g.trajectories) == 4 for g in extra)
-        assert {t.adapter for g in extra for t in g.trajectories} == {"policy-step-3"}
-        assert run.trainer.step == 3 and len(run.history.df) == 3
+        assert {t.adapter for g in extra for t in g.trajectories} == {"policy-step-4"}
+        assert run.trainer.step == 4 and len(run.history.df) == 4
     # The step's hit rate is what the server reported per request; the dashboard's one scrape a
     # step (and the first window's start) goes beside the reload, none on the rollouts' path.
-    assert scrapes == ["beside the reload"] * 4, scrapes
+    assert scrapes == ["beside the reload"] * 5, scrapes
     # Step N's rollouts come from the adapter published after step N-1.
-    assert seen == [{"policy-step-0"}, {"policy-step-1"}, {"policy-step-2"}]
-    assert list(df["step"]) == [1, 2, 3]
+    assert seen == [{"policy-step-0"}, {"policy-step-1"}, {"policy-step-2"}, {"policy-step-3"}]
+    assert list(df["step"]) == [1, 2, 3, 4]
     assert df["reload_s"].notna().all() and df["hit_rate"].between(0, 1).all()
     assert (df["is_raw_ratio_mean"] - 1).abs().max() < 1e-3, "on-policy IS ratio should be 1 on the CPU engine"
 
@@ -78,22 +90,3 @@ def test_the_served_adapter_is_checked_first_on_each_server_then_every_verify_ev
     versions.policy = replace(versions.policy, verify_adapter=False)
     versions.verified_on_server = None
     assert due() == []
-
-
-def test_a_scrape_the_parser_refuses_costs_the_dashboard_one_window_not_the_step(tiny_model_dir, tmp_path):
-    cfg = RunConfig(task=ADDITION_WITH_SIGNAL, engine="cpu", model_path=str(tiny_model_dir),
-                    run_dir=str(tmp_path / "run"), group_size=4, groups_per_step=2, verbose=False)
-    with GRPORun(cfg) as run:
-        asyncio.run(run.step())
-        real = run.client.metrics_text
-
-        async def cut_short():  # a body cut mid-line: prometheus_client raises ValueError
-            text = await real()
-            return text[:text.index("\nsglang:prompt_tokens_total") + 40]
-
-        run.client.metrics_text = cut_short
-        row = asyncio.run(run.step())
-        run.client.metrics_text = real
-        assert row["step"] == 2 and run.adapter == "policy-step-2"
-        assert list(run.history.df["step"]) == [1, 2]
-

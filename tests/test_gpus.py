@@ -22,8 +22,6 @@ def kernel_env(monkeypatch):
     """Each test starts as a fresh kernel: no CUDA_VISIBLE_DEVICES, no plan applied, no torch CUDA."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
-    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
-    monkeypatch.setattr(gpus, "_kernel_only", {})
     monkeypatch.setattr(gpus, "_applied", False)
     monkeypatch.setattr(gpus, "_original_visible", None)
     monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: False)))
@@ -260,23 +258,3 @@ def test_the_tightest_gpu_decides_and_unknown_gpus_leave_the_share():
     pair = [GpuInfo(0, "NVIDIA H200", "GPU-0000", 100 * gib, 0.0), GpuInfo(1, "NVIDIA H200", "GPU-0001", 100 * gib, 50 * gib)]
     assert gpus.launch_mem_fraction(0.3, (0, 1), pair) == 0.6
     assert gpus.launch_mem_fraction(0.3, (7,), pair) == 0.3
-
-
-def test_the_kernel_loads_cuda_kernels_eagerly_and_the_server_keeps_its_own_setting():
-    """apply_to_kernel sets CUDA_MODULE_LOADING=EAGER in the kernel unless the user chose (updates
-    that met kernels new to the run took 1.4-2.3 s under lazy loading), and a server's environment
-    does not inherit it."""
-    from artsg_nb.engines import get as get_engine
-    from artsg_nb.serving.server_env import child_env
-    assert apply_to_kernel(plan_gpus(h200s(1)))["CUDA_MODULE_LOADING"] == "EAGER"
-    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
-    assert "CUDA_MODULE_LOADING" not in child_env(get_engine("sglang"), {})
-
-
-def test_a_users_cuda_module_loading_is_kept(monkeypatch):
-    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
-    apply_to_kernel(plan_gpus(h200s(1)))
-    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY" and gpus.kernel_only_env() == {}
-    from artsg_nb.engines import get as get_engine
-    from artsg_nb.serving.server_env import child_env
-    assert child_env(get_engine("sglang"), {})["CUDA_MODULE_LOADING"] == "LAZY"

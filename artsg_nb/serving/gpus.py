@@ -41,18 +41,9 @@ COLOCATED_MEM_FRACTION = 0.45
 COLOCATED_FLEET_FRACTION = 0.70
 """All servers' share of the one GPU when several share it (0.35 each for two)."""
 
-KERNEL_MODULE_LOADING = "EAGER"
-"""CUDA_MODULE_LOADING in the kernel (the trainer's process) unless the user set it. Under CUDA's
-lazy loading, PyTorch's default, a kernel is loaded at its first launch: updates whose shapes made
-cuBLAS pick kernels new to the run took 1.4-2.3 s where the others took 0.03 s, on the forward's
-thread and the backward's alike (the GPU smoke, H100, 2026-12-07, `Trainer.last_update`). Eager
-loading pays that once, when CUDA starts in the kernel, which is while the server starts beside it.
-The server keeps the environment's own setting (`kernel_only_env`)."""
-
 _MODES = ("split", "colocated", "cpu")
 _original_visible: str | None = None   # CUDA_VISIBLE_DEVICES before apply_to_kernel changed it
 _applied = False
-_kernel_only: dict[str, str | None] = {}  # variables apply_to_kernel set for the kernel alone: their values before
 _last_nvml_error = ""
 
 
@@ -378,16 +369,7 @@ def apply_to_kernel(plan: GpuPlan) -> dict[str, str]:
     if not _applied:
         _original_visible, _applied = current, True
     os.environ.update(env)
-    if plan.mode != "cpu" and "CUDA_MODULE_LOADING" not in os.environ:
-        _kernel_only["CUDA_MODULE_LOADING"] = None
-        os.environ["CUDA_MODULE_LOADING"] = env["CUDA_MODULE_LOADING"] = KERNEL_MODULE_LOADING
     return env
-
-
-def kernel_only_env() -> dict[str, str | None]:
-    """The variables `apply_to_kernel` set for the kernel's process alone, with the values a
-    subprocess (a server) should see instead (None: unset)."""
-    return dict(_kernel_only)
 
 
 def _cuda_initialized() -> bool:

@@ -33,7 +33,6 @@ from typing import Mapping
 from .. import engines
 from ..engines import EngineSpec
 from . import procs
-from .gpus import kernel_only_env
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +139,6 @@ def child_env(spec: EngineSpec, extra_env: Mapping[str, str], base: Mapping[str,
     another interpreter import the kernel's packages, plus `extra_env`."""
     env = dict(os.environ if base is None else base)
     env.pop("PYTHONHOME", None)
-    for name, value in kernel_only_env().items():  # e.g. the kernel's eager CUDA module loading
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
     if spec.python_var is not None:  # the CPU engine shares the kernel's packages
         env.pop("PYTHONPATH", None)
     env.update(extra_env)

@@ -67,3 +67,18 @@ def test_slow_updates_need_a_median_and_a_real_excess():
     assert slow.slow(fast) is None and slow.slow(fast) is None
     assert slow.slow(UpdateTiming(wall_s=0.2, thread_cpu_s=0.1)) is None  # 6x, but under SLOW_MIN_S
     assert slow.slow(UpdateTiming(wall_s=1.5, thread_cpu_s=0.1)) > 3
+
+
+def test_a_long_update_names_the_code_it_was_in(monkeypatch):
+    from artsg_nb.rl import update_timing
+    monkeypatch.setattr(update_timing, "SAMPLE_AFTER_S", 0.0)
+    with UpdateTimer(torch.device("cpu")) as timer:
+        _spin(0.3)
+    assert any("_spin" in where for where in timer.timing.stacks), timer.timing.stacks
+    assert "most sampled" in timer.timing.why()
+
+
+def test_a_short_update_is_not_sampled():
+    with UpdateTimer(torch.device("cpu")) as timer:
+        pass
+    assert timer.timing.stacks == {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ SLOW_MIN_S = 0.5
 """...and only when it took at least this long: a 0.01 s update at 4x its median says nothing."""
 MEDIAN_OF = 3
 """Updates seen before one can be called slow (the first, which pays one-off costs, included)."""
+SAMPLE_AFTER_S = 0.3
+"""An update still running after this long has its threads' Python frames sampled (`_StackSampler`)."""
+SAMPLE_EVERY_S = 0.05
 
 
 @dataclass
@@ -49,6 +53,7 @@ class UpdateTiming:
     compiled_kernels: int | None = None  # None: Triton's cache folder not found
     checkpoint_wait_s: float = 0.0
     other_threads_cpu_s: dict[str, float] = field(default_factory=dict)  # the busiest, by name
+    stacks: dict[str, int] = field(default_factory=dict)  # a long update's sampled frames: "file:function" -> samples
 
     def why(self) -> str:
         """One sentence: the parts of the wall time that stand out."""
@@ -64,6 +69,8 @@ class UpdateTiming:
         busy = {name: s for name, s in self.other_threads_cpu_s.items() if s >= 0.01}
         if busy:
             parts.append("other threads' CPU " + ", ".join(f"{name} {s:.3f} s" for name, s in busy.items()))
+        if self.stacks:
+            parts.append("most sampled: " + ", ".join(f"{where} ({n})" for where, n in list(self.stacks.items())[:3]))
         return f"{self.wall_s:.3f} s: " + "; ".join(parts) + f" ({self._verdict()})"
 
     def _verdict(self) -> str:
@@ -98,6 +105,7 @@ class UpdateTimer:
         if self.device.type == "cuda":
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
+        self._sampler = _StackSampler()
         self._cpu0, self._t0 = time.thread_time(), time.perf_counter()
         return self
 
@@ -111,13 +119,15 @@ class UpdateTimer:
             self._events[1].synchronize()  # the optimizer's kernels: part of the update
             gpu_s = self._events[0].elapsed_time(self._events[1]) / 1000
         wall, cpu = time.perf_counter() - self._t0, time.thread_time() - self._cpu0
+        stacks = self._sampler.stop()
         self._gc.stop()
         kernels = _triton_kernel_count()
         self.timing = UpdateTiming(
             wall_s=wall, thread_cpu_s=cpu, gpu_s=gpu_s, gc_s=self._gc.seconds, gc_collections=self._gc.count,
             gc_oldest=self._gc.oldest,
             compiled_kernels=None if kernels is None or self._kernels is None else kernels - self._kernels,
-            checkpoint_wait_s=self._checkpoint_wait, other_threads_cpu_s=_busiest(self._threads, _thread_cpu()))
+            checkpoint_wait_s=self._checkpoint_wait, other_threads_cpu_s=_busiest(self._threads, _thread_cpu()),
+            stacks=stacks)
 
 
 class _Lap:
@@ -170,6 +180,59 @@ class _GcWatch:
             gc.callbacks.remove(self._callback)
         except ValueError:
             pass
+
+
+class _StackSampler:
+    """Once an update has run SAMPLE_AFTER_S, the Python frames of every other thread of the process
+    (the update's own and the autograd engine's, which runs Python backward functions) every
+    SAMPLE_EVERY_S, counted by the innermost frame outside torch's own modules and the
+    standard library, so a long update names the code it was in (a kernel compile, a wait)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="artsg-update-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._stop.wait(SAMPLE_AFTER_S):
+            return
+        me = threading.get_ident()
+        while not self._stop.is_set():
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    where = _where(frame)
+                    if where is not None:
+                        self.counts[where] = self.counts.get(where, 0) + 1
+            self._stop.wait(SAMPLE_EVERY_S)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return dict(sorted(self.counts.items(), key=lambda kv: -kv[1])[:8])
+
+
+_IDLE = ("threading.py", "selectors.py", "queue.py", "concurrent/futures/thread.py", "asyncio/")
+
+
+def _where(frame) -> str | None:
+    """'file:function' of the innermost frame that says something: None for a thread that idles."""
+    innermost = f"{_short(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+    if any(part in frame.f_code.co_filename for part in _IDLE):
+        return None
+    while frame is not None:  # the innermost frame outside torch/_tensor-like plumbing
+        name = frame.f_code.co_filename
+        if "/torch/" not in name or "/_inductor/" in name or "/_dynamo/" in name:
+            return f"{_short(name)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return innermost
+
+
+def _short(path: str) -> str:
+    parts = path.replace("\\", "/").split("/")
+    if "site-packages" in parts:
+        parts = parts[parts.index("site-packages") + 1:]
+    return "/".join(parts[-3:])
 
 
 def _triton_cache_dir() -> Path:

@@ -136,7 +136,7 @@ for p in "$@"; do
                  [[ ${PIPESTATUS[0]} == 0 ]] || FAILS=$((FAILS + 1)) ;;
     update-spikes)  # the same 20 steps with CUDA's lazy kernel loading (the default) and with eager loading
                  SHIPPED=$PWD/artsg_nb/models/shipped/tiny-s0-p800
-                 for mode in LAZY EAGER; do
+                 for mode in ${SPIKE_MODES:-LAZY EAGER}; do
                    phase update-spikes-$mode 200 env CUDA_MODULE_LOADING=$mode ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/update_spikes.py \
                      --model $SHIPPED --steps ${SPIKE_STEPS:-20} --run-dir /tmp/runs/spikes-$mode --label $mode --out "$OUT/update-spikes-$mode.json" $([[ $mode == LAZY ]] && echo --profile)
                    grep -E '^(LAZY|EAGER):' "$OUT/update-spikes-$mode.log" | cut -c1-300 | sed 's/^/    /'

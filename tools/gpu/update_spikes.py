@@ -35,6 +35,8 @@ def main(argv=None) -> int:
 
     segments_now = lambda: torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0  # noqa: E731
     run = GRPORun(RunConfig(model_path=a.model, run_dir=a.run_dir, verbose=False)).start()
+    kernel = getattr(run.trainer, "logprob_kernel", None)
+    print(f"{a.label}: scoring with {getattr(kernel, '__name__', None) or 'the logits (no fused kernel)'}", flush=True)
     steps = []
     try:
         for _ in range(a.steps):

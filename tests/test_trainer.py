@@ -302,3 +302,23 @@ def test_a_slow_update_is_reported_with_where_its_time_went(make_trainer, monkey
     with caplog.at_level(logging.WARNING, logger="artsg_nb.rl.trainer"):
         tr.train_step(_groups())
     assert "the run's median update" in caplog.text and "this thread's CPU" in caplog.text
+
+
+def test_the_trainers_forward_never_takes_cudnn_attention(make_trainer, monkeypatch):
+    """cuDNN's attention builds a plan per new (batch, length) shape given a padding mask: 2.2 s
+    updates among 0.03 s ones on an H100. The trainer's forwards run with it off, and the flag is
+    put back after."""
+    tr = make_trainer()
+    seen = []
+    forward = tr.model.get_base_model().model.forward
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(tr.model.get_base_model().model, "forward", recording)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU's path, on a CPU
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    tr.train_step(_groups())
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -16,10 +16,20 @@ the logits on its first call and keeps the logits if they disagree) or compute t
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FUSED_VOCAB_TILE = 32768
 """Vocabulary columns per projection tile of the fused kernel (TRL's own default)."""
+SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""The attention kernels the trainer's forward may use: not cuDNN's. Given the padding mask of a
+batch, PyTorch 2.11 tries cuDNN's attention first on an H100, and cuDNN builds an execution plan
+for every (batch, length) shape it has not seen: an update whose micro-batch had a new shape took
+2.2-2.8 s where the others took 0.03-0.05 s (1.0 s on the forward's thread, 1.2 s on the
+backward's; the GPU smoke, H100, 2026-12-07; the same cause as modelscope/FunASR#3704). The
+memory-efficient kernel takes the mask with no per-shape cost."""
 
 
 def fused_kernel():
@@ -53,16 +63,26 @@ def fusable(model) -> bool:
     return type(head) is torch.nn.Linear and getattr(hf, "base_model", None) is not None and hf.base_model is not hf
 
 
+def attention_backends():
+    """The trainer's forward passes run inside this: attention by SDPA_BACKENDS only (its backward
+    uses the kernel its forward chose)."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(SDPA_BACKENDS))
+
+
 def _from_logits(model, input_ids, attention_mask, temperature, wanted) -> torch.Tensor:
     from trl.trainer.utils import selective_log_softmax
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    with attention_backends():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     lp = selective_log_softmax(logits.float() / temperature, input_ids[:, 1:])
     return torch.where(wanted, lp, torch.zeros_like(lp))
 
 
 def _fused(model, input_ids, attention_mask, temperature, wanted, kernel) -> torch.Tensor:
     hf = _hf_model(model)
-    hidden = hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    with attention_backends():
+        hidden = hf.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     head = hf.get_output_embeddings()
     softcap, scale = _logit_transform(hf.config)
     picked = kernel.apply(hidden[:, :-1][wanted], head.weight, head.bias, input_ids[:, 1:][wanted], temperature,

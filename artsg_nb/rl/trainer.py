@@ -37,7 +37,7 @@ from .checkpoint import (ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE, CheckpointErr
                          CheckpointWriter, checkpoint_dir, optimizer_from_tensors, optimizer_state,
                          read_checkpoint_file, write_checkpoint)
 from .grpo import GRPOConfig, compute_advantages, importance_sampling_ratio, policy_loss
-from .logprobs import fusable, fused_kernel, text_config, token_logprobs
+from .logprobs import attention_backends, fusable, fused_kernel, text_config, token_logprobs
 from .step_stats import StepStats, batch_counts, is_ratio_stats
 from .tensor_io import HostStaging, host_copies
 from .update_timing import SlowUpdates, UpdateTimer, UpdateTiming
@@ -391,7 +391,8 @@ class Trainer:
             pos[r, u:] = torch.arange(width - u, device=dev)
         # no attention mask and no KV cache: transformers then reads the sequence starts off the
         # position ids and masks attention block-diagonally (masking_utils.find_packed_sequence_indices)
-        logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1]
+        with attention_backends():
+            logits = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, :-1]
         lp = selective_log_softmax(logits.float() / self.cfg.grpo.temperature, ids[:, 1:])  # (R, width-1)
         valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
         cols = torch.arange(input_ids.shape[1] - 1, device=dev)

@@ -130,7 +130,7 @@ for p in "$@"; do
     smoke)       SHIPPED=$PWD/artsg_nb/models/shipped/tiny-s0-p800  # the weights CI tests (no build on the host)
                  GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h100|h200|a100|l40s|b200' | tr A-Z a-z)
                  SMOKE_JSON="$OUT/$(date +%Y%m%d)-${GPU_TAG:-gpu}-smoke.json"  # the card it ran on: kinds named H200 may get an H100
-                 timeout 570 env ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/defaults_smoke.py --model $SHIPPED \
+                 timeout 585 env ARTSG_TINY_MODEL=$SHIPPED python3 tools/gpu/defaults_smoke.py --model $SHIPPED \
                    --out "$SMOKE_JSON" ${SMOKE_PARTS:+--parts $SMOKE_PARTS} 2>&1 | tee "$OUT/smoke.log" \
                    | grep -E '^(PASS|FAIL) |^    |schedule ' | cut -c1-400
                  [[ ${PIPESTATUS[0]} == 0 ]] || FAILS=$((FAILS + 1)) ;;

@@ -8,23 +8,10 @@ import torch
 
 from artsg_nb.rl.grpo import GRPOConfig
 from artsg_nb.rl.trainer import CheckpointError, Trainer, TrainerConfig, _micro_batches
+from trainer_groups import groups, traj
 
 
-def _traj(ids, n_prompt, reward, logp=-2.0):
-    mask = [0] * n_prompt + [1] * (len(ids) - n_prompt)
-    return SimpleNamespace(token_ids=ids, completion_mask=mask, logprobs=[logp if m else 0.0 for m in mask],
-                           reward=reward, error=None)
-
-
-def _groups(vocab=50):
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for gi in range(2):
-        prompt = torch.randint(5, vocab, (6,), generator=g).tolist()
-        trajs = [_traj(prompt + torch.randint(5, vocab, (3 + i,), generator=g).tolist(), 6, float(i % 2))
-                 for i in range(4)]
-        out.append(SimpleNamespace(trajectories=trajs))
-    return out
+_traj, _groups = traj, groups
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 Each experiment's update is what a lone Trainer of the same seed computes; updating one leaves
 every other adapter and optimizer bit-identical; forward_backward + optim_step is train_step; the
 token losses are Tinker's sums; a LoRA shape the runtime was not started for is refused naming both."""
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,25 +10,12 @@ import torch
 from artsg_nb.multi.losses import Datum
 from artsg_nb.multi.trainer import LoraMismatchError, LoraSpec, MultiTrainer, peft_name
 from artsg_nb.rl.trainer import Trainer, TrainerConfig
+from trainer_groups import groups, traj
 
 LR = 1e-2
 
 
-def _traj(ids, n_prompt, reward, logp=-2.0):
-    mask = [0] * n_prompt + [1] * (len(ids) - n_prompt)
-    return SimpleNamespace(token_ids=ids, completion_mask=mask, logprobs=[logp if m else 0.0 for m in mask],
-                           reward=reward, error=None)
-
-
-def _groups(seed=0, vocab=50):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(2):
-        prompt = torch.randint(5, vocab, (6,), generator=g).tolist()
-        trajs = [_traj(prompt + torch.randint(5, vocab, (3 + i,), generator=g).tolist(), 6, float(i % 2))
-                 for i in range(4)]
-        out.append(SimpleNamespace(trajectories=trajs))
-    return out
+_traj, _groups = traj, groups
 
 
 def _lora_state(model, name):

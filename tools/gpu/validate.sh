@@ -62,6 +62,9 @@
 #   stepbench-pipe  the same artsg_nb legs with RunConfig(pipeline=True), merged into the same /tmp/step.csv
 #               (its rows replace only pipelined ones): run it in the device call after stepbench (<= 30 s
 #               apart, so the host stays warm) and $OUT/step.csv has sync, pipelined and TRL rows
+#   update-spikes  tools/gpu/update_spikes.py: 20 steps (SPIKE_STEPS) on defaults under each of SPIKE_MODES
+#               ("LAZY EAGER": CUDA_MODULE_LOADING), each update's split (Trainer.last_update) and, LAZY,
+#               torch.profiler's top operators per step; $OUT/update-spikes-<mode>.json
 #   step-profile  tools/gpu/step_profile.py on SGLang, RunConfig defaults, 6 steps (PROFILE_STEPS) of 16 x 8 with 8
 #               new tokens on the shipped tiny model (PROFILE_MODEL: another model dir, PROFILE_TASK: another task,
 #               PROFILE_TOKENS: other new tokens; the step benchmark's job on SmolLM2 is PROFILE_MODEL=/tmp/models/smollm2

@@ -12,6 +12,7 @@ group. A second test renders a fake 8 x H200 dashboard in Chromium (the columns 
 
 Needs /usr/bin/chromium (`make browser-deps`); Playwright's own browsers are never installed.
 """
+import contextlib
 import json
 import os
 import re
@@ -85,19 +86,26 @@ def lab(tmp_path):
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces")}
+    with running_lab(root, env, tmp_path / "jupyterlab.log") as lab:
+        yield lab
+
+
+@contextlib.contextmanager
+def running_lab(root: Path, env: dict, log_path: Path):
+    """JupyterLab serving `root` on 127.0.0.1 with a random token, ready when yielded, its process
+    group stopped after (the `lab` fixture's, and tools/screenshots.py's)."""
     port, token = free_port(), os.urandom(16).hex()
     cmd = [str(Path(sys.executable).with_name("jupyter")), "lab", "--no-browser", "--ip=127.0.0.1",
            f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root}", "--allow-root"]
-    log = open(tmp_path / "jupyterlab.log", "wb")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    lab = Lab(f"http://127.0.0.1:{port}", token, root, proc)
-    try:
-        wait_for_lab(lab, tmp_path / "jupyterlab.log")
-        yield lab
-    finally:
-        stop_group(proc)
-        log.close()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        lab = Lab(f"http://127.0.0.1:{port}", token, root, proc)
+        try:
+            wait_for_lab(lab, log_path)
+            yield lab
+        finally:
+            stop_group(proc)
 
 
 def shrink_parameters(path: Path) -> None:

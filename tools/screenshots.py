@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_browser import (CHROMIUM, CHROMIUM_ARGS, NOTEBOOK, PAGE_CONFIG, SMALL_RUN, Lab,  # noqa: E402
-                          cell_containing, failed_cell_output, free_port, shrink_parameters, stop_group,
-                          wait_for_lab, wait_kernel_idle)
+                          cell_containing, failed_cell_output, running_lab, shrink_parameters,
+                          wait_kernel_idle)
 
 MAX_WIDTH_PX = 1000
 MAX_HEIGHT_PX = 1400
@@ -62,18 +61,8 @@ def jupyter_lab(tmp: Path):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # this checkout's artsg_nb
     env = {**os.environ, "PYTHONPATH": path, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces")}
-    port, token = free_port(), os.urandom(16).hex()
-    cmd = [str(Path(sys.executable).with_name("jupyter")), "lab", "--no-browser", "--ip=127.0.0.1",
-           f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={root}", "--allow-root"]
-    with open(tmp / "jupyterlab.log", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        lab = Lab(f"http://127.0.0.1:{port}", token, root, proc)
-        try:
-            wait_for_lab(lab, tmp / "jupyterlab.log")
-            yield lab
-        finally:
-            stop_group(proc)
+    with running_lab(root, env, tmp / "jupyterlab.log") as lab:
+        yield lab
 
 
 RUN_CELL = """(i) => {

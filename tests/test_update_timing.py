@@ -82,3 +82,10 @@ def test_a_short_update_is_not_sampled():
     with UpdateTimer(torch.device("cpu")) as timer:
         pass
     assert timer.timing.stacks == {}
+
+
+def test_cpu_on_the_forwards_and_the_backwards_threads_is_not_called_the_gpu():
+    """The H100 smoke's 2.2 s updates: the GPU events spanned them, but the time was CPU on the
+    update's thread then the autograd engine's (cuDNN attention plans)."""
+    t = UpdateTiming(wall_s=2.246, thread_cpu_s=1.02, gpu_s=2.246, other_threads_cpu_s={"thread 1515": 1.22})
+    assert "CPU work on the update's threads" in t.why() and "GPU was the limit" not in t.why()

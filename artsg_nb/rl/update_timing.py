@@ -46,7 +46,7 @@ class UpdateTiming:
 
     wall_s: float
     thread_cpu_s: float
-    gpu_s: float | None = None  # None: on a CPU
+    gpu_s: float | None = None  # the stream's span over the update (busy or waiting for launches); None: on a CPU
     gc_s: float = 0.0
     gc_collections: int = 0
     gc_oldest: int | None = None
@@ -79,6 +79,10 @@ class UpdateTiming:
             return "compiling kernels"
         if self.gc_s > 0.5 * self.wall_s:
             return "the garbage collector"
+        if self.thread_cpu_s + sum(self.other_threads_cpu_s.values()) > 0.7 * self.wall_s > self.thread_cpu_s:
+            # the GPU events span the whole update either way: CPU busy on the forward's and the
+            # autograd engine's threads in turn is CPU work (e.g. cuDNN building attention plans)
+            return "CPU work on the update's threads (its own and the backward's)"
         if self.gpu_s is not None and self.gpu_s > 0.7 * self.wall_s:
             return "the GPU was the limit"
         if self.thread_cpu_s > 0.7 * self.wall_s:

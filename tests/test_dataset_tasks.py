@@ -148,16 +148,16 @@ def test_reward_kwargs_match_trl(tiny_tokenizer):
 
 def test_async_reward_functions_and_async_envs_are_awaited(tiny_tokenizer):
     async def slow_reward(prompts, completions, **kw):
-        await asyncio.sleep(0.01)
+        await asyncio.to_thread(int)  # a real suspension: the loop runs others until the thread answers
         return [0.25] * len(completions)
 
     class AsyncEnv:
         async def reset(self):
-            await asyncio.sleep(0.01)
+            await asyncio.to_thread(int)
             return [{"role": "user", "content": "say 5"}]
 
         async def step(self, reply):
-            await asyncio.sleep(0.01)  # e.g. a tool that calls an API
+            await asyncio.to_thread(int)  # e.g. a tool that calls an API
             return StepResult([], float(reply.strip() == "5"), True)
 
     groups = play(Task.from_dataset(rows(2), reward_funcs=[slow_reward]), tiny_tokenizer, ["x"], [0], 2)

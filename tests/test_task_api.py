@@ -17,7 +17,7 @@ import pytest
 
 import artsg_nb
 from artsg_nb.tasks import registry as tasks
-from artsg_nb.run.config import RunConfig, config_record
+from artsg_nb.run.config import RunConfig, config_record, learning_rate
 from artsg_nb.serving.server import ModelPathError
 from artsg_nb.run.session import GRPORun
 from artsg_nb.tasks.registry import Task, TaskImportError, UnknownTaskError, register_task, resolve_task
@@ -120,14 +120,14 @@ def test_a_registered_task_without_teacher_leaves_the_tiny_model_corpus_alone(mo
 
 def test_learning_rate_follows_the_model(tiny_model_dir, tmp_path):
     assert RunConfig().learning_rate is None
-    assert GRPORun(RunConfig()).learning_rate(str(tiny_model_dir)) == 3e-3
-    assert GRPORun(RunConfig(model_path=str(tiny_model_dir))).learning_rate(str(tiny_model_dir)) == 3e-3
-    assert GRPORun(RunConfig(model_path=str(tmp_path))).learning_rate(str(tmp_path)) == 2e-4
-    assert GRPORun(RunConfig(model_path=str(tmp_path), learning_rate=1e-5)).learning_rate(str(tmp_path)) == 1e-5
+    assert learning_rate(RunConfig(), str(tiny_model_dir)) == 3e-3
+    assert learning_rate(RunConfig(model_path=str(tiny_model_dir)), str(tiny_model_dir)) == 3e-3
+    assert learning_rate(RunConfig(model_path=str(tmp_path)), str(tmp_path)) == 2e-4
+    assert learning_rate(RunConfig(model_path=str(tmp_path), learning_rate=1e-5), str(tmp_path)) == 1e-5
     built = tmp_path / "smollm2"  # a real model built offline by artsg_nb.models.pretrained carries a .complete of its own
     built.mkdir()
     (built / ".complete").write_text('{"name": "smollm2-135m-instruct", "recipe": "x"}')
-    assert GRPORun(RunConfig(model_path=str(built))).learning_rate(str(built)) == 2e-4
+    assert learning_rate(RunConfig(model_path=str(built)), str(built)) == 2e-4
 
 
 def test_cli_flags_come_from_the_dataclasses(user_module):

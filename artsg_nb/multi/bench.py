@@ -34,8 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..models.pretrained import built_model_dir
-from ..models.tiny import default_model_dir, is_tiny_build
-from ..run.config import REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig
+from ..models.tiny import default_model_dir
+from ..run.config import RunConfig, learning_rate
 from .runtime import Sweep, SweepConfig
 from .trainer import LoraSpec
 
@@ -77,7 +77,8 @@ def experiment_configs(args, learning_rate: float, prefix: str) -> dict[str, Run
 async def bench(args) -> dict:
     cfg = SweepConfig(run_dir=args.run_dir, model_path=args.model, engine=args.engine,
                       lora=LoraSpec(rank=args.lora_rank))
-    lr = args.learning_rate or _default_learning_rate(args.model)
+    model_dir = built_model_dir(args.model) if args.model else str(default_model_dir())
+    lr = learning_rate(RunConfig(learning_rate=args.learning_rate), model_dir)
     first, second = ("together", "alone") if args.order == "together-first" else ("alone", "together")
     configs = experiment_configs(args, lr, first)
     sweep = Sweep(cfg, {"warm": replace(next(iter(configs.values())), seed=1000), **configs}).start()
@@ -94,12 +95,6 @@ async def bench(args) -> dict:
         return _report(args, sweep, phases["alone"], phases["together"], lr)
     finally:
         sweep.stop()
-
-
-def _default_learning_rate(model: str | None) -> float:
-    """RunConfig's default for the model (session.GRPORun.learning_rate): the tiny model's, or a real one's."""
-    path = built_model_dir(model) if model else str(default_model_dir())
-    return TINY_MODEL_LEARNING_RATE if is_tiny_build(path) else REAL_MODEL_LEARNING_RATE
 
 
 async def _one_after_another(sweep: Sweep, args) -> dict:

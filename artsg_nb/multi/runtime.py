@@ -42,12 +42,12 @@ import pandas as pd
 
 from ..files import write_atomic
 from ..models.pretrained import built_model_dir
-from ..models.tiny import default_model_dir, is_tiny_build
+from ..models.tiny import default_model_dir
 from ..serving.gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from ..serving.procs import RunDirLock
 from ..serving.server import ServerConfig, start_server, start_while
 from ..tasks.registry import resolve_task
-from ..run.config import CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig, config_record
+from ..run.config import CONFIG_FILE, RunConfig, config_record, learning_rate
 from ..run.rundir import archive_earlier_run
 from .experiment import Experiment
 from .memory import sweep_fit
@@ -190,7 +190,7 @@ class Sweep:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.run_dir) / CONFIG_FILE, json.dumps(config_record(cfg), indent=2))
         lora = LoraSpec(cfg.lora_rank, cfg.lora_alpha, self.cfg.lora.target_modules)
-        self.multi.add(name, lora, self.learning_rate(cfg), cfg.seed, grpo=replace(cfg.grpo, temperature=cfg.temperature))
+        self.multi.add(name, lora, learning_rate(cfg, self.model_dir), cfg.seed, grpo=replace(cfg.grpo, temperature=cfg.temperature))
         tol = 0.02 if self.multi.device.type == "cpu" else 0.25
         exp = self.experiments[name] = Experiment(name, cfg, task, self.multi, self.shared, tol)
         return exp
@@ -240,12 +240,6 @@ class Sweep:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    def learning_rate(self, cfg: RunConfig) -> float:
-        """cfg.learning_rate, or when None the default for the model (as GRPORun.learning_rate)."""
-        if cfg.learning_rate is not None:
-            return cfg.learning_rate
-        return TINY_MODEL_LEARNING_RATE if is_tiny_build(self.model_dir) else REAL_MODEL_LEARNING_RATE
 
     # ---- steps -----------------------------------------------------------------------------------
     @property

@@ -18,6 +18,7 @@ from typing import Sequence
 
 from ..engines import memory_tags
 from ..engines.base import ADMIN_TIMEOUT_S
+from ..models.tiny import is_tiny_build
 from ..rl.grpo import GRPOConfig
 from ..serving.gpus import GpuInfo, list_gpus
 from ..serving.memory_estimate import ColocatedFit, ModelMemory, colocated_fit
@@ -30,6 +31,14 @@ TINY_MODEL_LEARNING_RATE = 3e-3
 REAL_MODEL_LEARNING_RATE = 2e-4
 """learning_rate=None on any other model: a LoRA rate for models of real size (~1e-5 to 1e-4 is
 the usual full-finetuning range; LoRA takes larger steps)."""
+
+
+def learning_rate(cfg: "RunConfig", model_dir) -> float:
+    """cfg.learning_rate, or when None the default for the model at model_dir: the tiny model's
+    (a directory the tiny-model build made) or a real one's."""
+    if cfg.learning_rate is not None:
+        return cfg.learning_rate
+    return TINY_MODEL_LEARNING_RATE if is_tiny_build(model_dir) else REAL_MODEL_LEARNING_RATE
 
 
 @dataclass

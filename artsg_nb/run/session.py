@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..files import write_atomic
 from ..models.pretrained import base_model_id, built_model_dir
-from ..models.tiny import default_model_dir, is_tiny_build
+from ..models.tiny import default_model_dir
 from ..rl.distributed import make_trainer
 from ..rl.export import export_adapter, export_merged
 from ..rl.lora import AdapterPublisher
@@ -48,8 +48,7 @@ from ..view.plots import LiveTraining, load_rollouts, plot_training
 from ..view.plots.sample_cards import full_text, show_samples
 from ..view.widgets import Dashboard
 from .clock import PhaseClock
-from .config import (CONFIG_FILE, REAL_MODEL_LEARNING_RATE, TINY_MODEL_LEARNING_RATE, RunConfig,
-                     check_resumable, config_record, resolve_release)
+from .config import CONFIG_FILE, RunConfig, check_resumable, config_record, learning_rate, resolve_release
 from .history import History
 from .rundir import archive_earlier_run, resumed_line, stopped_line, take_over
 from .pipeline import SampleAhead
@@ -191,7 +190,7 @@ class GRPORun:
         model_path = built_model_dir(cfg.model_path) if cfg.model_path else str(default_model_dir())
         self.model_path = base_model_id(cfg.model_path) if cfg.model_path else model_path
         timed = self.clock.call  # the start's two halves, side by side, each a span on the run's clock
-        self.server, self.trainer = start_while(lambda: timed("server_start", self._start_server, engine, model_path),
+        self.server, self.trainer = start_while(lambda: timed("server_start", start_servers, cfg, self.plan, self.run_dir, engine, model_path),
                                                 lambda: timed("trainer_build", self._make_trainer, model_path))
         self.client = self.server.client()
         self.tracker = HitRateTracker(engine=engine)
@@ -366,27 +365,23 @@ class GRPORun:
                                                             self.trainer.tokenizer, **load)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _start_server(self, engine: str, model_path: str):
-        cfg = self.cfg
-        mem, backup = getattr(self.plan, "server_mem_fraction", None), "weights" in cfg.release_tags
-        scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(self.run_dir),
-                            max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=self.plan,
-                            api_key=cfg.api_key, extra_args=cfg.server_args, admin_timeout_s=cfg.admin_timeout_s,
-                            prompt_warm_up=cfg.prompt_warm_up,
-                            enable_memory_saver=self.release, enable_weights_cpu_backup=self.release and backup)
-        return start_inference(scfg, self.plan, self.run_dir)  # N servers behind a router when the plan has N
-
     def _make_trainer(self, model_path: str):
         cfg = self.cfg
         # Pipelined rollouts are one version old: TRL's truncated IS corrects them unless is_mode is set.
         grpo = replace(cfg.grpo, temperature=cfg.temperature,
                        is_mode=cfg.grpo.is_mode or ("token_truncate" if cfg.pipeline else None))
         return make_trainer(TrainerConfig(model_path=model_path, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                          learning_rate=self.learning_rate(model_path), seed=cfg.seed, grpo=grpo,
+                                          learning_rate=learning_rate(cfg, model_path), seed=cfg.seed, grpo=grpo,
                                           micro_batch_tokens=cfg.micro_batch_tokens), cfg.trainer_ranks, self.run_dir, self.plan)
 
-    def learning_rate(self, model_path: str) -> float:
-        """cfg.learning_rate, or when None the default for the model (run_config.RunConfig)."""
-        tiny = self.cfg.model_path is None or is_tiny_build(model_path)
-        default = TINY_MODEL_LEARNING_RATE if tiny else REAL_MODEL_LEARNING_RATE
-        return self.cfg.learning_rate if self.cfg.learning_rate is not None else default
+
+def start_servers(cfg: RunConfig, plan, run_dir: Path, engine: str, model_path: str):
+    """The run's inference: one server, or N behind a router when the plan has N."""
+    release = plan.release_server_memory
+    mem, backup = getattr(plan, "server_mem_fraction", None), "weights" in cfg.release_tags
+    scfg = ServerConfig(engine=engine, model_path=model_path, run_dir=str(run_dir),
+                        max_lora_rank=cfg.lora_rank, mem_fraction=mem, gpu_plan=plan,
+                        api_key=cfg.api_key, extra_args=cfg.server_args, admin_timeout_s=cfg.admin_timeout_s,
+                        prompt_warm_up=cfg.prompt_warm_up,
+                        enable_memory_saver=release, enable_weights_cpu_backup=release and backup)
+    return start_inference(scfg, plan, run_dir)

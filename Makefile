@@ -2,7 +2,7 @@
 #   make demo   set up, then run the quickstart notebook headless (CPU engine + tiny model without a GPU)
 #   make test   set up, then run every test (unit, integration, faults, notebooks, browser, ranks)
 #   make lab    JupyterLab on 127.0.0.1:$(LAB_PORT) (a token in the URL it prints) with this .venv's kernel
-#   make test-faults / test-notebooks / test-ranks / test-main   one suite (see tools/run_tests.sh)
+#   make test-faults / test-notebooks / test-ranks / test-fleets / test-main   one suite (see tools/run_tests.sh)
 # Without conda, environments live in .venv/ (kernel) and .venv-server/ (SGLang, GPU boxes only),
 # built from environment-train.yml / environment-server.yml; re-running reuses what is installed.
 
@@ -14,7 +14,7 @@ RUN_DIR ?= runs/demo
 NB_TIMEOUT ?= 900
 LAB_PORT ?= 8888
 
-.PHONY: demo lab test venv server-env vllm-env browser-deps test-faults test-notebooks test-ranks test-main clean-runs
+.PHONY: demo lab test venv server-env vllm-env browser-deps test-faults test-notebooks test-ranks test-fleets test-main clean-runs
 
 $(VENV)/.installed: environment-train.yml pyproject.toml tools/yml_requirements.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,10 +61,10 @@ lab: venv
 # machine: the tiny model comes from the repository, SmolLM2 is fetched again), and each suite runs
 # even when another failed; the last lines are each suite's summary, the exit status 1 if any failed.
 test: venv browser-deps
-	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) SUITES_SIDE_BY_SIDE=1 tools/run_tests.sh faults+notebooks+ranks main
+	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) SUITES_SIDE_BY_SIDE=1 tools/run_tests.sh faults+notebooks+ranks+fleets main
 
 test-notebooks: browser-deps  # its browser test skips without chromium
-test-faults test-notebooks test-ranks test-main: test-%:
+test-faults test-notebooks test-ranks test-fleets test-main: test-%:
 	PY=$(PY) NB_TIMEOUT=$(NB_TIMEOUT) tools/run_tests.sh $*
 
 clean-runs:

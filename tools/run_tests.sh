@@ -9,7 +9,7 @@
 # What it does not: install anything (`make venv` does), or keep the temporary HOME (it is
 # removed on exit; KEEP_TEST_HOME=1 keeps it and says where it is).
 #
-#   tools/run_tests.sh faults+notebooks+ranks main   # what `make test` runs: two lanes side by side
+#   tools/run_tests.sh faults+notebooks+ranks+fleets main   # what `make test` runs: two lanes side by side
 #   tools/run_tests.sh faults                        # `make test-faults` (also -notebooks, -ranks, -main)
 set -uo pipefail
 
@@ -18,6 +18,7 @@ NB_TIMEOUT=${NB_TIMEOUT:-900}
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q)
 NOTEBOOK_TESTS=(tests/test_notebooks.py tests/test_browser.py)  # the notebooks suite's, not main's
 RANK_TESTS=(tests/test_distributed.py)  # the ranks suite's (torch.distributed trainer ranks), not main's
+FLEET_TESTS=(tests/test_fleet.py tests/test_router.py tests/test_fleet_lora_n.py)  # the fleets suite's (several engines behind a router)
 
 suite_command() {
     case $1 in
@@ -30,9 +31,11 @@ suite_command() {
         # trainer ranks in processes of their own: a suite apart only so that `make test` can run it
         # in the faults+notebooks lane, which is shorter than main's by about its length
         ranks) echo "${PYTEST[*]} -m 'not faults' --durations=5 ${RANK_TESTS[*]}" ;;
+        # engines behind a router, in processes of their own: apart for the same reason as ranks
+        fleets) echo "${PYTEST[*]} -m 'not faults' --durations=5 ${FLEET_TESTS[*]}" ;;
         main) echo "${PYTEST[*]} -m 'not faults' --durations=15 tests ${NOTEBOOK_TESTS[*]/#/--ignore=}" \
-                   "${RANK_TESTS[*]/#/--ignore=}" ;;
-        *) echo "unknown suite '$1' (known: faults, notebooks, ranks, main)" >&2; return 2 ;;
+                   "${RANK_TESTS[*]/#/--ignore=} ${FLEET_TESTS[*]/#/--ignore=}" ;;
+        *) echo "unknown suite '$1' (known: faults, notebooks, ranks, fleets, main)" >&2; return 2 ;;
     esac
 }
 
@@ -60,15 +63,15 @@ closing_lines() {
 lanes=("$@")
 suites=()
 for lane in "${lanes[@]}"; do IFS=+ read -ra names <<<"$lane"; suites+=("${names[@]}"); done
-(( ${#lanes[@]} )) || { echo "usage: $0 LANE... (a lane: a suite, or suites joined by +; suites: faults, notebooks, ranks, main)" >&2; exit 2; }
+(( ${#lanes[@]} )) || { echo "usage: $0 LANE... (a lane: a suite, or suites joined by +; suites: faults, notebooks, ranks, fleets, main)" >&2; exit 2; }
 for name in "${suites[@]}"; do suite_command "$name" >/dev/null || exit 2; done
 fresh_home
 declare -A rc
 # SUITES_SIDE_BY_SIDE=1 (make test's default): every lane but the last runs in the background,
-# its output shown when it ends; each suite keeps about one of CI's two cores busy (measured:
-# user+sys 103 s of 109 s wall for 13 fault tests), so side by side the lanes take the longest
-# one's time: `make test` runs faults, notebooks and ranks (3.7 + 2.3 + 1 min) beside main (7.2 min;
-# 2-core machine, 2026-12-07, 8.9 min in all; main took 8.6 with the ranks in it, 10.6 in all).
+# its output shown when it ends; each suite keeps about one of CI's two cores busy, so side by
+# side the lanes take the longest one's time. Measured on a 2-core machine (2026-12-07, one
+# torch thread a lane): faults, notebooks and ranks 6.9 + 4.1 + 1.4 min beside main's 14.8, 15.0
+# in all; fleets (~1.2 min) moved out of main to even the lanes.
 # The faults suite's server records are private per module (tests/faults/conftest.py), so one
 # suite's orphan reaping never touches the other's servers.
 run_suite() {  # suite $1, its header and output into $home/$1.log (on the terminal too with $2 = tee); its exit status

@@ -120,14 +120,13 @@ def test_a_registered_task_without_teacher_leaves_the_tiny_model_corpus_alone(mo
 
 def test_learning_rate_follows_the_model(tiny_model_dir, tmp_path):
     assert RunConfig().learning_rate is None
-    assert learning_rate(RunConfig(), str(tiny_model_dir)) == 3e-3
-    assert learning_rate(RunConfig(model_path=str(tiny_model_dir)), str(tiny_model_dir)) == 3e-3
-    assert learning_rate(RunConfig(model_path=str(tmp_path)), str(tmp_path)) == 2e-4
-    assert learning_rate(RunConfig(model_path=str(tmp_path), learning_rate=1e-5), str(tmp_path)) == 1e-5
+    assert learning_rate(None, str(tiny_model_dir)) == 3e-3
+    assert learning_rate(None, str(tmp_path)) == 2e-4
+    assert learning_rate(1e-5, str(tmp_path)) == 1e-5
     built = tmp_path / "smollm2"  # a real model built offline by artsg_nb.models.pretrained carries a .complete of its own
     built.mkdir()
     (built / ".complete").write_text('{"name": "smollm2-135m-instruct", "recipe": "x"}')
-    assert learning_rate(RunConfig(model_path=str(built)), str(built)) == 2e-4
+    assert learning_rate(None, str(built)) == 2e-4
 
 
 def test_cli_flags_come_from_the_dataclasses(user_module):

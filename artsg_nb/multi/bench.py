@@ -78,7 +78,7 @@ async def bench(args) -> dict:
     cfg = SweepConfig(run_dir=args.run_dir, model_path=args.model, engine=args.engine,
                       lora=LoraSpec(rank=args.lora_rank))
     model_dir = built_model_dir(args.model) if args.model else str(default_model_dir())
-    lr = learning_rate(RunConfig(learning_rate=args.learning_rate), model_dir)
+    lr = learning_rate(args.learning_rate, model_dir)
     first, second = ("together", "alone") if args.order == "together-first" else ("alone", "together")
     configs = experiment_configs(args, lr, first)
     sweep = Sweep(cfg, {"warm": replace(next(iter(configs.values())), seed=1000), **configs}).start()

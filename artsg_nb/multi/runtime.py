@@ -190,7 +190,7 @@ class Sweep:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.run_dir) / CONFIG_FILE, json.dumps(config_record(cfg), indent=2))
         lora = LoraSpec(cfg.lora_rank, cfg.lora_alpha, self.cfg.lora.target_modules)
-        self.multi.add(name, lora, learning_rate(cfg, self.model_dir), cfg.seed, grpo=replace(cfg.grpo, temperature=cfg.temperature))
+        self.multi.add(name, lora, learning_rate(cfg.learning_rate, self.model_dir), cfg.seed, grpo=replace(cfg.grpo, temperature=cfg.temperature))
         tol = 0.02 if self.multi.device.type == "cpu" else 0.25
         exp = self.experiments[name] = Experiment(name, cfg, task, self.multi, self.shared, tol)
         return exp

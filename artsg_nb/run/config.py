@@ -33,11 +33,11 @@ REAL_MODEL_LEARNING_RATE = 2e-4
 the usual full-finetuning range; LoRA takes larger steps)."""
 
 
-def learning_rate(cfg: "RunConfig", model_dir) -> float:
-    """cfg.learning_rate, or when None the default for the model at model_dir: the tiny model's
-    (a directory the tiny-model build made) or a real one's."""
-    if cfg.learning_rate is not None:
-        return cfg.learning_rate
+def learning_rate(rate: float | None, model_dir) -> float:
+    """`rate` (RunConfig.learning_rate), or when None the default for the model at model_dir: the
+    tiny model's (a directory the tiny-model build made) or a real one's."""
+    if rate is not None:
+        return rate
     return TINY_MODEL_LEARNING_RATE if is_tiny_build(model_dir) else REAL_MODEL_LEARNING_RATE
 
 

@@ -371,7 +371,7 @@ class GRPORun:
         grpo = replace(cfg.grpo, temperature=cfg.temperature,
                        is_mode=cfg.grpo.is_mode or ("token_truncate" if cfg.pipeline else None))
         return make_trainer(TrainerConfig(model_path=model_path, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                                          learning_rate=learning_rate(cfg, model_path), seed=cfg.seed, grpo=grpo,
+                                          learning_rate=learning_rate(cfg.learning_rate, model_path), seed=cfg.seed, grpo=grpo,
                                           micro_batch_tokens=cfg.micro_batch_tokens), cfg.trainer_ranks, self.run_dir, self.plan)
 
 

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .build import build_into, is_complete
-from .tiny import cache_root
+from .tiny import cache_root, default_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -224,10 +224,12 @@ def resolve_model(spec: str | os.PathLike) -> str:
     return text
 
 
-def built_model_dir(spec: str | os.PathLike) -> str:
+def built_model_dir(spec: str | os.PathLike | None) -> str:
     """A registered model's name → its offline build (built on first use); a directory as given,
     for server.check_model_path to judge; a hub id as given once `check_model_name` finds it can
-    be had here (raises ModelNameError at once when not)."""
+    be had here (raises ModelNameError at once when not); none given → the shipped tiny model."""
+    if not spec:
+        return str(default_model_dir())
     text = os.fspath(spec)
     if text in REGISTRY:
         return str(default_real_model_dir(text))

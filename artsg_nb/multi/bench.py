@@ -34,7 +34,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..models.pretrained import built_model_dir
-from ..models.tiny import default_model_dir
 from ..run.config import RunConfig, learning_rate
 from .runtime import Sweep, SweepConfig
 from .trainer import LoraSpec
@@ -77,7 +76,7 @@ def experiment_configs(args, learning_rate: float, prefix: str) -> dict[str, Run
 async def bench(args) -> dict:
     cfg = SweepConfig(run_dir=args.run_dir, model_path=args.model, engine=args.engine,
                       lora=LoraSpec(rank=args.lora_rank))
-    model_dir = built_model_dir(args.model) if args.model else str(default_model_dir())
+    model_dir = built_model_dir(args.model)
     lr = learning_rate(args.learning_rate, model_dir)
     first, second = ("together", "alone") if args.order == "together-first" else ("alone", "together")
     configs = experiment_configs(args, lr, first)

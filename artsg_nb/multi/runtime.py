@@ -42,7 +42,6 @@ import pandas as pd
 
 from ..files import write_atomic
 from ..models.pretrained import built_model_dir
-from ..models.tiny import default_model_dir
 from ..serving.gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from ..serving.procs import RunDirLock
 from ..serving.server import ServerConfig, start_server, start_while
@@ -153,7 +152,7 @@ class Sweep:
         if engine != "cpu" and self.plan.mode == "cpu":
             require_gpu()
         apply_to_kernel(self.plan)
-        self.model_dir = built_model_dir(cfg.model_path) if cfg.model_path else str(default_model_dir())
+        self.model_dir = built_model_dir(cfg.model_path)
         self.check_memory(len(self.configs))
         self.server, self.multi = start_while(lambda: start_server(self._server_config(engine)),
                                               lambda: MultiTrainer(self.model_dir, cfg.lora,

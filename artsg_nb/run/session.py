@@ -32,7 +32,6 @@ from pathlib import Path
 
 from ..files import write_atomic
 from ..models.pretrained import base_model_id, built_model_dir
-from ..models.tiny import default_model_dir
 from ..rl.distributed import make_trainer
 from ..rl.export import export_adapter, export_merged
 from ..rl.lora import AdapterPublisher
@@ -187,7 +186,7 @@ class GRPORun:
             require_gpu()
         apply_to_kernel(self.plan)
         # A registered real model's name (models.py) → its offline build; a directory or hub id as is.
-        model_path = built_model_dir(cfg.model_path) if cfg.model_path else str(default_model_dir())
+        model_path = built_model_dir(cfg.model_path)
         self.model_path = base_model_id(cfg.model_path) if cfg.model_path else model_path
         timed = self.clock.call  # the start's two halves, side by side, each a span on the run's clock
         self.server, self.trainer = start_while(lambda: timed("server_start", start_servers, cfg, self.plan, self.run_dir, engine, model_path),

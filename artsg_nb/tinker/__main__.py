@@ -26,7 +26,6 @@ import threading
 from pathlib import Path
 
 from ..models.pretrained import built_model_dir
-from ..models.tiny import default_model_dir
 from ..multi.trainer import LoraSpec, MultiTrainer
 from ..serving.gpus import apply_to_kernel, list_gpus, plan_gpus, require_gpu
 from ..serving.server import ServerConfig, start_server, start_while
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     if engine != "cpu" and plan.mode == "cpu":
         require_gpu()
     apply_to_kernel(plan)
-    model_dir = built_model_dir(args.model) if args.model else str(default_model_dir())
+    model_dir = built_model_dir(args.model)
     run_dir, lora = Path(args.run_dir), LoraSpec(rank=args.rank)
     server_cfg = ServerConfig(engine=engine, model_path=model_dir, run_dir=str(run_dir / "server"),
                               max_lora_rank=lora.rank, lora_target_modules=lora.target_modules,

@@ -11,7 +11,6 @@ from artsg_nb.rl.trainer import CheckpointError, Trainer, TrainerConfig, _micro_
 from trainer_groups import groups, traj
 
 
-_traj, _groups = traj, groups
 
 
 @pytest.fixture
@@ -27,8 +26,8 @@ def test_step_changes_only_lora_weights(make_trainer):
     tr = make_trainer()
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
     # B starts at 0, so the first step moves lora_B; a second moves lora_A too.
-    m1 = tr.train_step(_groups())
-    tr.train_step(_groups())
+    m1 = tr.train_step(groups())
+    tr.train_step(groups())
     after = dict(tr.model.named_parameters())
     changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
     assert changed, "no weight changed"
@@ -45,7 +44,7 @@ def test_micro_batching_gives_the_same_update(make_trainer):
         # difference in a near-zero gradient would flip a weight by 2·lr. SGD shows the gradients.
         for tr in (ref, small):
             tr.optimizer = torch.optim.SGD([p for p in tr.model.parameters() if p.requires_grad], lr=1.0)
-        m_ref, m_small = ref.train_step(_groups()), small.train_step(_groups())
+        m_ref, m_small = ref.train_step(groups()), small.train_step(groups())
         assert m_ref["loss"] == pytest.approx(m_small["loss"], rel=1e-5, abs=1e-7)
         for (n, p), (_, q) in zip(ref.model.named_parameters(), small.model.named_parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{loss_type}: {n}")
@@ -62,13 +61,13 @@ def test_scores_at_the_sampling_temperature(make_trainer):
 
 def test_checkpoint_roundtrip_and_mismatch(make_trainer, tmp_path):
     a = make_trainer()
-    a.train_step(_groups())
+    a.train_step(groups())
     a.save_adapter(tmp_path)
     a.save_checkpoint(tmp_path)
     b = make_trainer()
     b.load_checkpoint(tmp_path)
     assert b.step == 1
-    ma, mb = a.train_step(_groups()), b.train_step(_groups())  # same state → same next step
+    ma, mb = a.train_step(groups()), b.train_step(groups())  # same state → same next step
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-6)
     for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
         torch.testing.assert_close(p, q, msg=n)
@@ -79,7 +78,7 @@ def test_checkpoint_roundtrip_and_mismatch(make_trainer, tmp_path):
 
 
 def test_no_valid_trajectory_is_a_clear_error(make_trainer):
-    g = _groups()
+    g = groups()
     for t in g[0].trajectories + g[1].trajectories:
         t.error = "boom"
     with pytest.raises(ValueError, match="no valid trajectory"):
@@ -93,13 +92,13 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(make_trainer):
         assert packed.packing and not padded.packing
         for tr in (padded, packed):
             tr.optimizer = torch.optim.SGD([p for p in tr.model.parameters() if p.requires_grad], lr=1.0)
-        batch = padded.make_batch(_groups())
+        batch = padded.make_batch(groups())
         lp_pad = padded.score(batch.input_ids, batch.attention_mask)
         lp_pack = packed.score_packed(batch.input_ids, batch.attention_mask)
         valid = (batch.attention_mask[:, 1:] * batch.attention_mask[:, :-1]).bool()
         torch.testing.assert_close(lp_pack[valid], lp_pad[valid], rtol=1e-4, atol=1e-5)
         assert (lp_pack[~valid] == 0).all()
-        m_pad, m_pack = padded.train_step(_groups()), packed.train_step(_groups())
+        m_pad, m_pack = padded.train_step(groups()), packed.train_step(groups())
         assert m_pad["loss"] == pytest.approx(m_pack["loss"], rel=1e-4, abs=1e-6)
         for (n, p), (_, q) in zip(padded.model.named_parameters(), packed.model.named_parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=f"{loss_type}: {n}")
@@ -123,11 +122,11 @@ def test_save_adapter_writes_what_save_pretrained_writes(make_trainer, tmp_path)
                 == json.loads((tmp_path / f"{name}-peft" / "adapter_config.json").read_text()))
         return fast
 
-    tr.train_step(_groups())
+    tr.train_step(groups())
     first = assert_saved_as_peft_does("step1")
     assert tr._adapter_views is not None, "the state dict is kept for the next save"
     tr.save_checkpoint(tmp_path / "step1")
-    tr.train_step(_groups())
+    tr.train_step(groups())
     assert_saved_as_peft_does("step2")
     tr.load_checkpoint(tmp_path / "step1")
     rolled_back = assert_saved_as_peft_does("rolled-back")
@@ -167,13 +166,13 @@ def test_fused_path_scores_only_the_wanted_tokens_and_trains_as_the_logits_do(ma
     plain, fused = _sgd(make_trainer(grpo={"temperature": 0.8})), _sgd(make_trainer(grpo={"temperature": 0.8}))
     assert plain.logprob_kernel is None  # no CUDA here: the trainer scores with the logits
     fused.logprob_kernel, fused._fused_checked = lp_mod.TorchLogProb, False  # as a GPU trainer starts
-    batch = plain.make_batch(_groups())
+    batch = plain.make_batch(groups())
     wanted = batch.completion_mask.bool()
     a = plain.score(batch.input_ids, batch.attention_mask, wanted)
     b = fused.score(batch.input_ids, batch.attention_mask, wanted)
     torch.testing.assert_close(b[wanted], a[wanted], rtol=1e-5, atol=1e-5)
     assert (a[~wanted] == 0).all() and (b[~wanted] == 0).all() and (a[wanted] < 0).all()
-    m_plain, m_fused = plain.train_step(_groups()), fused.train_step(_groups())
+    m_plain, m_fused = plain.train_step(groups()), fused.train_step(groups())
     assert m_plain["loss"] == pytest.approx(m_fused["loss"], rel=1e-5, abs=1e-7)
     for (n, p), (_, q) in zip(plain.model.named_parameters(), fused.model.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
@@ -190,19 +189,19 @@ def test_a_fused_kernel_that_disagrees_is_dropped_for_the_logits(make_trainer, c
     tr = make_trainer()
     tr.logprob_kernel, tr._fused_checked = Wrong, False
     with caplog.at_level("WARNING"):
-        m = tr.train_step(_groups())
+        m = tr.train_step(groups())
     assert tr.logprob_kernel is None and "scoring with the logits instead" in caplog.text
-    ref = make_trainer().train_step(_groups())
+    ref = make_trainer().train_step(groups())
     assert m["loss"] == pytest.approx(ref["loss"], rel=1e-6)  # the update used the logits
 
 
 def test_micro_batches_group_similar_lengths_within_the_budget():
     lengths = [30, 5, 28, 6, 31, 4, 29, 7]
-    groups = _micro_batches(lengths, 64)
-    assert sorted(i for g in groups for i in g) == list(range(8))  # each sequence once
-    assert all(len(g) * max(lengths[i] for i in g) <= 64 for g in groups)
-    assert all(g == sorted(g) for g in groups)
-    padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    micro_batches = _micro_batches(lengths, 64)
+    assert sorted(i for g in micro_batches for i in g) == list(range(8))  # each sequence once
+    assert all(len(g) * max(lengths[i] for i in g) <= 64 for g in micro_batches)
+    assert all(g == sorted(g) for g in micro_batches)
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in micro_batches)
     consecutive = [[0, 1], [2, 3], [4, 5], [6, 7]]  # what taking them in order gave (each pair fits 64)
     assert padded < sum(len(g) * max(lengths[i] for i in g) for g in consecutive)
     assert _micro_batches([10], 4) == [[0]]  # one sequence over the budget still trains, alone
@@ -224,7 +223,7 @@ def test_auto_budget_follows_free_memory_the_models_shape_and_the_logits():
 def test_out_of_gpu_memory_redoes_the_update_with_half_the_budget(make_trainer, caplog):
     """A micro-batch over 2048 tokens "runs out of memory" after part of its backward: the update is
     redone from zero gradients in smaller micro-batches and equals one made that way from the start."""
-    groups = [SimpleNamespace(trajectories=[_traj(list(range(5, 5 + n)), 4, float(i % 2))
+    batch = [SimpleNamespace(trajectories=[traj(list(range(5, 5 + n)), 4, float(i % 2))
                                             for i, n in enumerate([300, 290, 280, 270, 260, 250, 240, 230, 220, 210])])]
     ref = _sgd(make_trainer(micro_batch_tokens=2048))
     tr = _sgd(make_trainer(micro_batch_tokens=4096))
@@ -239,16 +238,16 @@ def test_out_of_gpu_memory_redoes_the_update_with_half_the_budget(make_trainer, 
 
     tr.micro_batch_loss = limited
     with caplog.at_level("WARNING"):
-        m = tr.train_step(groups)
+        m = tr.train_step(batch)
     assert m["micro_batch_tokens"] == 2048 and "redoing the update with 2048" in caplog.text
-    m_ref = ref.train_step(groups)
+    m_ref = ref.train_step(batch)
     assert m["loss"] == pytest.approx(m_ref["loss"], rel=1e-5)
     for (n, p), (_, q) in zip(ref.model.named_parameters(), tr.model.named_parameters()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=n)
     assert tr.micro_batch_tokens() == 2048  # later updates stay below the budget that failed
     tr.micro_batch_loss = lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("still"))
     with pytest.raises(torch.cuda.OutOfMemoryError):  # at the floor it gives up, saying so
-        tr.train_step(groups)
+        tr.train_step(batch)
 
 
 @pytest.mark.gpu
@@ -262,13 +261,13 @@ def test_trls_fused_kernel_on_the_gpu_agrees_with_the_logits_and_trains_alike(ti
                                           use_unsloth=False, fused_logprobs=fused, warm_up=False)))
     fused, plain = make(True), make(False)
     assert fused.check_fused() and fused.logprob_kernel is lp_mod.fused_kernel() and plain.logprob_kernel is None
-    batch = plain.make_batch(_groups())
+    batch = plain.make_batch(groups())
     wanted = batch.completion_mask.bool().cuda()
     a = plain.score(batch.input_ids.cuda(), batch.attention_mask.cuda(), wanted)
     b = fused.score(batch.input_ids.cuda(), batch.attention_mask.cuda(), wanted)
     assert (b[wanted] - a[wanted]).abs().mean().item() < 0.02 and (b[~wanted] == 0).all()
     start = [p.detach().clone() for p in plain.model.parameters() if p.requires_grad]
-    m_plain, m_fused = plain.train_step(_groups()), fused.train_step(_groups())
+    m_plain, m_fused = plain.train_step(groups()), fused.train_step(groups())
     assert m_fused["loss"] == pytest.approx(m_plain["loss"], rel=0.05, abs=1e-3)
     lora = lambda tr: [p.detach() for p in tr.model.parameters() if p.requires_grad]  # noqa: E731
     d_plain = torch.cat([(p - s0).flatten().float() for p, s0 in zip(lora(plain), start)])
@@ -282,12 +281,12 @@ def test_a_slow_update_is_reported_with_where_its_time_went(make_trainer, monkey
     import logging
     from artsg_nb.rl import update_timing
     tr = make_trainer()
-    tr.train_step(_groups())
+    tr.train_step(groups())
     assert tr.last_update is not None and tr.last_update.wall_s > 0 and tr.last_update.thread_cpu_s > 0
     monkeypatch.setattr(update_timing, "SLOW_MIN_S", 0.0)
     tr._slow_updates.walls = [1e-6] * 3  # a run whose updates took a microsecond: this one stands out
     with caplog.at_level(logging.WARNING, logger="artsg_nb.rl.trainer"):
-        tr.train_step(_groups())
+        tr.train_step(groups())
     assert "the run's median update" in caplog.text and "this thread's CPU" in caplog.text
 
 
@@ -306,6 +305,6 @@ def test_the_trainers_forward_never_takes_cudnn_attention(make_trainer, monkeypa
     monkeypatch.setattr(tr.model.get_base_model().model, "forward", recording)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU's path, on a CPU
     assert torch.backends.cuda.cudnn_sdp_enabled()
-    tr.train_step(_groups())
+    tr.train_step(groups())
     assert seen and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()

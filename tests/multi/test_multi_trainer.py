@@ -15,7 +15,6 @@ from trainer_groups import groups, traj
 LR = 1e-2
 
 
-_traj, _groups = traj, groups
 
 
 def _lora_state(model, name):
@@ -46,7 +45,7 @@ def test_an_experiments_update_is_a_lone_trainers(multi, tiny_model_dir):
     lone = Trainer(TrainerConfig(model_path=str(tiny_model_dir), learning_rate=LR, seed=3, device="cpu", warm_up=False))
     assert all(torch.equal(v, _lora_state(lone.model, "default")[k]) for k, v in _lora_state(multi.model, "a").items())
     for step in range(2):
-        mine, theirs = multi.train_step("a", _groups(step)), lone.train_step(_groups(step))
+        mine, theirs = multi.train_step("a", groups(step)), lone.train_step(groups(step))
         assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-7)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-6)
     ours, lones = _lora_state(multi.model, "a"), _lora_state(lone.model, "default")
@@ -59,14 +58,14 @@ def test_an_experiments_update_is_a_lone_trainers(multi, tiny_model_dir):
 def test_updating_one_experiment_leaves_the_others_bit_identical(multi):
     _fresh(multi, "a", seed=1)
     _fresh(multi, "b", seed=2, lr=5e-3)
-    multi.train_step("b", _groups(7))  # b has optimizer state of its own
+    multi.train_step("b", groups(7))  # b has optimizer state of its own
     with multi.using("b") as tb:
         b_opt = _opt_state(tb.optimizer)
     b_before, base_before = _lora_state(multi.model, "b"), {n: p.detach().clone() for n, p in
                                                              multi.model.named_parameters() if "lora_" not in n}
     a_before = _lora_state(multi.model, "a")
-    multi.train_step("a", _groups(0))
-    multi.train_step("a", _groups(1))
+    multi.train_step("a", groups(0))
+    multi.train_step("a", groups(1))
     assert any(not torch.equal(v, _lora_state(multi.model, "a")[k]) for k, v in a_before.items()), "a did not move"
     b_after = _lora_state(multi.model, "b")
     assert all(torch.equal(v, b_after[k]) for k, v in b_before.items()), "updating a changed b's weights"
@@ -81,8 +80,8 @@ def test_updating_one_experiment_leaves_the_others_bit_identical(multi):
 def test_forward_backward_then_optim_step_is_train_step(multi):
     _fresh(multi, "a", seed=4)
     _fresh(multi, "b", seed=4)
-    whole = multi.train_step("a", _groups(2))
-    parts = multi.forward_backward("b", _groups(2), loss_fn="grpo")
+    whole = multi.train_step("a", groups(2))
+    parts = multi.forward_backward("b", groups(2), loss_fn="grpo")
     with multi.using("a") as ta:  # b's gradients stay on b: a has none after its own step
         assert all(p.grad is None for p in ta.trainable)
     stepped = multi.optim_step("b")
@@ -94,7 +93,7 @@ def test_forward_backward_then_optim_step_is_train_step(multi):
 
 def test_optim_step_takes_new_adam_settings(multi):
     _fresh(multi, "a")
-    multi.forward_backward("a", _groups(0))
+    multi.forward_backward("a", groups(0))
     out = multi.optim_step("a", learning_rate=1e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.01)
     with multi.using("a") as ta:
         g = ta.optimizer.param_groups[0]
@@ -104,7 +103,7 @@ def test_optim_step_takes_new_adam_settings(multi):
 
 def test_token_losses_are_tinkers_sums(multi):
     _fresh(multi, "a", seed=5)
-    multi.train_step("a", _groups(0))  # B off zero: logprobs that depend on the adapter
+    multi.train_step("a", groups(0))  # B off zero: logprobs that depend on the adapter
     seq = [5, 9, 11, 7, 20, 13]
     lp = multi.score("a", seq)  # log p(seq[t+1] | seq[:t+1])
     weights = [0, 0, 1, 1, 1]
@@ -139,14 +138,14 @@ def test_a_lora_shape_the_runtime_was_not_started_for_names_both(multi):
         multi.add("odd", LoraSpec(rank=8, target_modules=("q_proj", "lm_head")), learning_rate=LR, seed=0)
     assert "big" not in multi.names and "odd" not in multi.names
     multi.add("small", LoraSpec(rank=8, target_modules=("q_proj", "v_proj")), learning_rate=LR, seed=0)
-    multi.train_step("small", _groups(0))
+    multi.train_step("small", groups(0))
     multi.remove("small")
 
 
 def test_saved_adapter_is_a_lone_trainers_format(multi, tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
     _fresh(multi, "a", seed=0)
-    multi.train_step("a", _groups(0))
+    multi.train_step("a", groups(0))
     path = multi.save_adapter("a", tmp_path / "a")
     lone = Trainer(TrainerConfig(model_path=str(tiny_model_dir), learning_rate=LR, seed=0, device="cpu", warm_up=False))
     lone.save_adapter(tmp_path / "lone")
@@ -160,6 +159,6 @@ def test_remove_and_unknown_names(multi):
     multi.remove("gone")
     assert "gone" not in multi.names and peft_name("gone") not in multi.model.peft_config
     with pytest.raises(KeyError, match="no experiment 'gone'"):
-        multi.train_step("gone", _groups(0))
+        multi.train_step("gone", groups(0))
     with pytest.raises(ValueError, match="experiment name"):
         multi.add("bad.name", LoraSpec(), learning_rate=LR, seed=0)

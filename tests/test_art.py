@@ -166,8 +166,8 @@ def _registered(tmp_path, steps: int):
         (folder / "adapter_model.safetensors").write_bytes(b"")
     client = _AdapterClient()
     backend = SGLangBackend(path=str(tmp_path))
-    backend._runs["m"] = SimpleNamespace(run_dir=tmp_path, client=client, adapter=f"policy-step-{steps}",
-                                         trainer=SimpleNamespace(step=steps))
+    backend._runs["m"] = SimpleNamespace(run_dir=tmp_path, client=client, adapter=f"policy-step-{steps}", step=steps,
+                                         adapter_prefix="policy")
     backend._leases["m"] = AdapterLeases(tmp_path)
     model = art.TrainableModel(name="m", project="p", base_model="unused")
     model._backend = backend
@@ -210,8 +210,8 @@ def test_an_exact_adapter_lease_serves_its_step_to_its_holders_until_the_last_le
 
 def test_a_leased_step_keeps_its_files_and_a_step_without_files_is_refused(tmp_path):
     backend, model, client = _registered(tmp_path, steps=3)
-    backend._runs["m"].publisher = type("P", (), {"current": type("V", (), {"step": 3})()})()
-    backend._runs["m"].trainer.wait_for_checkpoint = lambda: None
+    backend._runs["m"].served_step = 3
+    backend._runs["m"].wait_for_checkpoint = lambda: None
 
     async def main():
         async with backend.exact_adapter_lease(model, 1):

@@ -41,8 +41,15 @@ Not supported (an error says so, nothing is silently ignored):
 - One run per model name; per-call overrides need a single-process trainer (trainer_ranks=1).
 - `model.train(...)` is gone from ART 0.5.18; `backend.train` is the API.
 
+One experiment of a sweep: `SGLangBackend(sweep=sweep)` with a started multi.Sweep registers each
+model as an experiment of it (runs.py: SweepMember): the sweep's server and one copy of the base
+model serve and train it beside the sweep's own experiments, its adapters served as
+`<model name>-step-N`, its run in `<sweep run_dir>/<model name>`; `backend.close()` takes it out of
+the sweep, which goes on. Its base_model must be the sweep's, its LoRA inside the sweep's (each
+refused naming both); it starts at step 0 (a sweep does not resume).
+
 What it does not do: roll out (the ART rollout function does, against our server), or keep a
-loop of its own (session.GRPORun's is used).
+loop of its own (session.GRPORun's is used; in a sweep, the experiment's).
 """
 from __future__ import annotations
 
@@ -51,18 +58,18 @@ import logging
 import math
 import os
 import shutil
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import replace
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable
 
 from .. import engines
+from ..multi.runtime import Sweep
 from ..rl.lora import checkpoint_steps, version_steps
-from ..run.config import CONFIG_FILE, RunConfig
-from ..run.session import GRPORun
-from .convert import AmbiguousTokens, to_groups
+from ..run.config import RunConfig
+from .convert import to_groups
 from .leases import AdapterLeases, pin, pinned_name, unpin
+from .runs import ModelRun, OwnRun, SweepMember, logprob_resolver
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +135,16 @@ def _undo_transformers_patch() -> None:
 class SGLangBackend:
     """ART's Backend over artsg_nb: `await model.register(backend)`, then `await backend.train(...)`."""
 
-    def __init__(self, *, path: str = ".art", config: RunConfig | None = None):
+    def __init__(self, *, path: str = ".art", config: RunConfig | None = None, sweep: Sweep | None = None):
         """`path`: ART's base path (LocalBackend's `path`). `config`: the run's settings (engine,
         LoRA rank, learning rate, GRPO loss, server args, ...); its model_path, run_dir and resume
-        are set from the model at register."""
+        are set from the model at register. `sweep`: a started multi.Sweep whose server and base
+        model each registered model joins as one experiment (module docstring); its server
+        settings are the sweep's, `config` gives the model's LoRA, learning rate, seed and loss."""
         self._path = path
         self.config = config or RunConfig()
-        self._runs: dict[str, GRPORun] = {}
+        self.sweep = sweep
+        self._runs: dict[str, ModelRun] = {}
         self._leases: dict[str, AdapterLeases] = {}
 
     # ---- registration and inference ---------------------------------------------------------
@@ -147,27 +157,21 @@ class SGLangBackend:
         model.base_path = self._path
         if model.name in self._runs:
             return
-        run_dir = Path(model._get_output_dir()) / RUN_SUBDIR
-        cfg = replace(self.config, model_path=model.base_model, run_dir=str(run_dir),
-                      resume=(run_dir / CONFIG_FILE).exists())
-        run = GRPORun(cfg)
-        await asyncio.to_thread(run.start)
-        try:
-            await run.serve_initial()  # ART's rollouts come before the first train()
-        except BaseException:
-            run.stop()
-            raise
+        if self.sweep is not None:
+            run = await SweepMember.start(self.sweep, self.config, model.name, model.base_model)
+        else:
+            run = await OwnRun.start(self.config, model.base_model, Path(model._get_output_dir()) / RUN_SUBDIR)
         self._runs[model.name] = run
-        self._leases[model.name] = AdapterLeases(run.run_dir)
-        log.info("registered %s: run %s, serving %s", model.name, run_dir, run.adapter)
+        self._leases[model.name] = AdapterLeases(run.run_dir, run.adapter_prefix)
+        log.info("registered %s: run %s, serving %s", model.name, run.run_dir, run.adapter)
 
     async def _prepare_backend_for_training(self, model, config=None) -> tuple[str, str]:
         """(base_url, api_key) of the server's OpenAI routes; TrainableModel.register sets them."""
         if config:
             raise NotImplementedError("SGLangBackend takes server settings from RunConfig (server_args, api_key), "
                                       "not from register(_openai_client_config=...)")
-        run = self.run(model)
-        base_url, api_key = f"{run.client.base_url}/v1", getattr(run.server, "api_key", None) or "none"
+        run = self._run(model)
+        base_url, api_key = f"{run.client.base_url}/v1", run.api_key or "none"
         _install_openai_client(model, base_url, api_key, engines.get(run.client.engine).chat_token_ids)
         return base_url, api_key
 
@@ -179,8 +183,8 @@ class SGLangBackend:
         leased = pinned_name(model.name, step)
         if leased is not None:
             return leased
-        if step is not None and step != run.trainer.step:
-            raise ValueError(f"SGLangBackend serves only the newest adapter ({run.adapter}, step {run.trainer.step}); "
+        if step is not None and step != run.step:
+            raise ValueError(f"SGLangBackend serves only the newest adapter ({run.adapter}, step {run.step}); "
                              f"step {step} is not loaded: hold `async with backend.exact_adapter_lease(model, "
                              f"{step}):` to serve it. Its files are in {run.run_dir / 'adapters'}.")
         return f"{run.client.served_model}:{run.adapter}"
@@ -192,9 +196,9 @@ class SGLangBackend:
         reloading newer steps meanwhile never unloads it, and `model.get_inference_name()` (with
         no step, or this one) names it inside the context. ValueError for a step without a
         saved adapter."""
-        run, leases = self.run(model), self._leases[model.name]
-        if not 0 <= step <= run.trainer.step:
-            raise ValueError(f"step {step} of {model.name!r} does not exist (its steps: 0..{run.trainer.step})")
+        run, leases = self._run(model), self._leases[model.name]
+        if not 0 <= step <= run.step:
+            raise ValueError(f"step {step} of {model.name!r} does not exist (its steps: 0..{run.step})")
         client = run.client
         name = await leases.acquire(client, step)
         token = pin(model.name, step, f"{client.served_model}:{name}")
@@ -210,8 +214,13 @@ class SGLangBackend:
         its own keeps it served)."""
         return self.exact_adapter_lease(model, step)
 
-    def run(self, model) -> GRPORun:
-        """The GRPORun behind a registered model (its history, plots, samples, dashboard)."""
+    def run(self, model):
+        """The run behind a registered model: its GRPORun (history, plots, samples, dashboard), or
+        in a sweep its multi.Experiment (history, run dir, served adapter; sweep.table() and
+        sweep.plot() show it beside the others)."""
+        return self._run(model).run
+
+    def _run(self, model) -> ModelRun:
         try:
             return self._runs[model.name]
         except KeyError:
@@ -227,31 +236,33 @@ class SGLangBackend:
         from art.types import LocalTrainResult
 
         _refuse_unsupported(loss_fn, kwargs)
-        run = self.run(model)
-        groups = to_groups(list(trajectory_groups), run.trainer.tokenizer, run.adapter, _logprob_resolver(run.trainer))
+        run = self._run(model)
+        # in a worker thread: resolving a token without ids runs the trainer's model, which in a
+        # sweep may wait for another experiment's update
+        groups = await asyncio.to_thread(to_groups, list(trajectory_groups), run.tokenizer, run.adapter,
+                                         logprob_resolver(run))
         grpo = {"scale_rewards": "group" if scale_rewards and normalize_advantages else "none"}
         if epsilon is not None:
             grpo.update(epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high)
         elif epsilon_high is not None:
             grpo["epsilon_high"] = epsilon_high
-        with _overrides(run.trainer, learning_rate, grpo):
-            row = await run.train_on(groups)
+        row = await run.train_on(groups, learning_rate, grpo)
         metrics = {k: float(v) for k, v in row.items()
                    if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v)}
         path = run.run_dir / "adapters" / f"policy-step-{row['step']}"
         return LocalTrainResult(step=row["step"], metrics=metrics, checkpoint_path=str(path) if path.exists() else None)
 
     async def _get_step(self, model) -> int:
-        return self.run(model).trainer.step
+        return self._run(model).step
 
     async def _delete_checkpoint_files(self, model, steps_to_keep: list[int]) -> None:
         """Delete adapter versions outside `steps_to_keep` (model.delete_checkpoints: latest and
         best); the served one, the trainer's newest, the newest complete checkpoint (what a
         resume restores) and leased ones are kept whatever the list says."""
-        run = self.run(model)
+        run = self._run(model)
         adapters = run.run_dir / "adapters"
-        run.trainer.wait_for_checkpoint()  # the newest checkpoint on disk (or failed) before any goes
-        keep = set(steps_to_keep) | {run.trainer.step, run.publisher.current.step, *checkpoint_steps(adapters)[-1:],
+        run.wait_for_checkpoint()  # the newest checkpoint on disk (or failed) before any goes
+        keep = set(steps_to_keep) | {run.step, run.served_step, *checkpoint_steps(adapters)[-1:],
                                      *self._leases[model.name].steps}
         for step in version_steps(adapters):
             if step not in keep:
@@ -261,10 +272,11 @@ class SGLangBackend:
         raise NotImplementedError("SGLangBackend does not do SFT (model.train_sft); it trains with GRPO only")
 
     async def close(self) -> None:
-        """Stop every registered model's server and trainer (adapters and history stay on disk)."""
+        """Stop every registered model's server and trainer, or take it out of the sweep (adapters
+        and history stay on disk)."""
         runs, self._runs, self._leases = list(self._runs.values()), {}, {}
         for run in runs:
-            run.stop()
+            await run.close()
 
     async def __aenter__(self) -> "SGLangBackend":
         return self
@@ -286,55 +298,6 @@ def _refuse_unsupported(loss_fn: str | None, kwargs: dict) -> None:
             f"SGLangBackend.train does not support {', '.join(f'{k}={kwargs[k]!r}' for k in changed)} (ART's own "
             "loss options). Supported: learning_rate, epsilon, epsilon_high, scale_rewards / normalize_advantages; "
             "everything else is set once in RunConfig.grpo (grpo.GRPOConfig).")
-
-
-@contextmanager
-def _overrides(trainer, learning_rate: float | None, grpo: dict):
-    """This call's learning rate and loss settings on the trainer; the run's come back after."""
-    changes = {k: v for k, v in grpo.items() if getattr(trainer.cfg.grpo, k) != v}
-    if learning_rate is None and not changes:
-        yield
-        return
-    optimizer = getattr(trainer, "optimizer", None)
-    if optimizer is None:
-        raise NotImplementedError("per-call learning_rate / loss settings need trainer_ranks=1; set them in RunConfig")
-    old_lrs, old_grpo = [g["lr"] for g in optimizer.param_groups], trainer.cfg.grpo
-    try:
-        if learning_rate is not None:
-            for g in optimizer.param_groups:
-                g["lr"] = learning_rate
-        trainer.cfg.grpo = replace(old_grpo, **changes)
-        yield
-    finally:
-        for g, lr in zip(optimizer.param_groups, old_lrs):
-            g["lr"] = lr
-        trainer.cfg.grpo = old_grpo
-
-
-def _logprob_resolver(trainer):
-    """convert.Resolver: of the tokens a logprob entry's string could be, the one whose logprob
-    under the trainer (its weights are the served adapter's) is the server's. Unique within the
-    served-adapter check's tolerance, or an error."""
-    import torch
-
-    tol = 0.02 if trainer.device.type == "cpu" else 0.25
-
-    @torch.no_grad()
-    def resolve(prefix: list, candidates: list, logprob: float, where: str) -> int:
-        trainer.model.eval()
-        logits = trainer.model(input_ids=torch.tensor([prefix], device=trainer.device)).logits[0, -1]
-        lps = torch.log_softmax(logits.float() / trainer.cfg.grpo.temperature, -1)[candidates]
-        close = [c for c, lp in zip(candidates, lps.tolist()) if abs(lp - logprob) < tol]
-        if len(close) != 1:
-            raise AmbiguousTokens(
-                f"{where}: the server sent no token ids and {len(candidates)} tokens decode to this token's string; "
-                f"{len(close)} of them have its logprob {logprob:.4f} under the trainer (was the rollout sampled at "
-                f"another temperature than {trainer.cfg.grpo.temperature}?). Use model.openai_client(), which asks the "
-                "server for its token ids (SGLang: extra_body={'return_meta_info': True, 'return_prompt_token_ids': "
-                "True}, not with stream=True).")
-        return close[0]
-
-    return resolve
 
 
 def _install_openai_client(model, base_url: str, api_key: str, token_ids_body: dict) -> None:

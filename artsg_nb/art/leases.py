@@ -4,8 +4,8 @@ ART's Backend protocol (openpipe-art 0.5.23: `exact_adapter_lease(model, step)`,
 manager) asks the backend to serve exactly the checkpoint of `step` for as long as the context is
 held, and `model.get_inference_name()` inside it to name that checkpoint. Our run serves only its
 newest adapter (rl.lora.AdapterPublisher unloads the one before at each reload), so a lease loads
-the step's saved adapter folder again under a name of its own (`policy-step-N-lease`), which no
-reload touches; the last release of a step unloads it. `pinned_name(model_name, step)` is what
+the step's saved adapter folder again under a name of its own (`policy-step-N-lease`; in a sweep
+`<experiment>-step-N-lease`), which no reload touches; the last release of a step unloads it. `pinned_name(model_name, step)` is what
 `_model_inference_name` answers inside a lease: a context variable, so a lease held by one
 rollout task does not change the name another task sees.
 
@@ -49,12 +49,13 @@ class AdapterLeases:
     """One run's leased steps: the adapter each loaded under, and how many holders it has."""
 
     run_dir: Path
+    prefix: str = "policy"
+    """The run's served adapters are `<prefix>-step-N` (an experiment's name in a sweep)."""
     holders: dict[int, int] = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    @staticmethod
-    def name(step: int) -> str:
-        return f"{adapter_name(step)}-lease"
+    def name(self, step: int) -> str:
+        return f"{self.prefix}-step-{step}-lease"
 
     @property
     def steps(self) -> set[int]:

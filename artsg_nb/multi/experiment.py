@@ -16,6 +16,10 @@ What it does: an `Experiment` is one GRPO run on the sweep's shared server and M
             (the served adapter's logprobs on a probe trajectory: rl.lora.probe_served_adapter)
   row       one history.jsonl row (run.history.step_row) with the seconds it waited for the trainer
 
+`train_on(groups, turn)` is the same step from `rewards` on, for groups rolled out elsewhere: an
+ART model attached to the sweep (Sweep.attach; artsg_nb.art.SGLangBackend(sweep=...)) rolls out
+against its served adapter with ART's own rollout function and trains through it.
+
 Adapter names carry the experiment (`<name>-step-N`), so the server's prefix cache, keyed by
 adapter, never mixes two experiments or two versions.
 
@@ -71,8 +75,11 @@ class _TrainerView:
 class Experiment:
     """One experiment on the sweep's server and trainer (module docstring)."""
 
-    def __init__(self, name: str, cfg: RunConfig, task, multi: MultiTrainer, shared: SharedServer, verify_tol: float):
+    def __init__(self, name: str, cfg: RunConfig, task, multi: MultiTrainer, shared: SharedServer, verify_tol: float,
+                 external: bool = False):
         self.name, self.cfg, self.multi, self.shared = name, cfg, multi, shared
+        self.external = external
+        """Its rollouts come from outside (an ART model's, through `train_on`): the sweep never steps it."""
         self.run_dir = Path(cfg.run_dir)
         self.history = History(self.run_dir)
         self.publisher = AdapterPublisher(shared.client, self.run_dir, keep=1)
@@ -114,7 +121,11 @@ class Experiment:
     # ---- state -----------------------------------------------------------------------------------
     @property
     def status(self) -> str:
-        return "failed" if self.error else ("stepping" if self.publisher.current else "ready")
+        if self.error:
+            return "failed"
+        if self.external:
+            return "external"
+        return "stepping" if self.publisher.current else "ready"
 
     @property
     def step_count(self) -> int:
@@ -153,7 +164,17 @@ class Experiment:
         step = self.step_count + 1
         t0 = time.perf_counter()
         groups, hit_rate = await self.shared.with_restarts(self.source.rollouts, step)  # same seeds when redone
-        rollout_s = time.perf_counter() - t0
+        return await self._train_on(step, groups, turn, hit_rate, time.perf_counter() - t0)
+
+    async def train_on(self, groups, turn: asyncio.Lock) -> dict:
+        """step()'s second half on groups rolled out elsewhere (an ART model's, from this
+        experiment's served adapter): update, save + reload + check, one row (no rollout_s or
+        hit_rate). Stopped before its version is served, it is undone as step() is."""
+        await self.serve_initial(turn)
+        return await self._train_on(self.step_count + 1, groups, turn)
+
+    async def _train_on(self, step: int, groups, turn: asyncio.Lock, hit_rate: float | None = None,
+                        rollout_s: float | None = None) -> dict:
         write_rollouts(self.run_dir, step, groups)  # first: a step without rewards leaves its completions to read
         require_rewards(groups)
         served = self.publisher.current
@@ -163,7 +184,8 @@ class Experiment:
             self._roll_back(step - 1, served)
             raise
 
-    async def _train_and_serve(self, step: int, groups, hit_rate, rollout_s: float, turn: asyncio.Lock) -> dict:
+    async def _train_and_serve(self, step: int, groups, hit_rate: float | None, rollout_s: float | None,
+                               turn: asyncio.Lock) -> dict:
         """update (the trainer's turn) → reload → check → row."""
         zero_adv, no_signal = constant_groups(groups)
         t_wait = time.perf_counter()

@@ -16,6 +16,9 @@ adapters and history.jsonl (experiment.py).
   sweep.table()            each experiment's served adapter, step, reward, hit rate, share of
                            the trainer's time and status (its error when it failed)
   sweep.add / remove       an experiment more, or one fewer, between steps
+  sweep.attach(name, cfg)  an experiment whose rollouts come from outside (an ART model's:
+                           artsg_nb.art.SGLangBackend(sweep=sweep)); `await sweep.train_on(name,
+                           groups)` trains it; step() and run() leave it to its owner
   sweep.retry(name)        a failed experiment steps again (its failed step was undone)
   sweep.stop()             the server, by its process group
 
@@ -134,7 +137,7 @@ class Sweep:
         if earlier is not None and earlier is not self:  # a re-run start cell: this kernel's earlier sweep stops
             earlier.stop()
         for name, c in self.configs.items():  # and a LoRA the runtime cannot hold, before anything starts
-            LoraSpec(c.lora_rank, c.lora_alpha, self.cfg.lora.target_modules).check_fits(self.cfg.lora, name)
+            self._lora_of(c).check_fits(self.cfg.lora, name)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock.acquire()
         _live[self.run_dir.resolve()] = self
@@ -184,25 +187,40 @@ class Sweep:
                             gpu_plan=self.plan, api_key=cfg.api_key, extra_args=cfg.server_args,
                             prompt_warm_up=cfg.prompt_warm_up)
 
-    def _add(self, name: str, cfg: RunConfig, task) -> Experiment:
+    def _lora_of(self, cfg: RunConfig) -> LoraSpec:
+        """An experiment's LoRA: its rank and alpha on the sweep's target modules."""
+        return LoraSpec(cfg.lora_rank, cfg.lora_alpha, self.cfg.lora.target_modules)
+
+    def _add(self, name: str, cfg: RunConfig, task, external: bool = False) -> Experiment:
         archive_earlier_run(cfg.run_dir)  # a fresh start never mixes in an earlier run's steps
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(cfg.run_dir) / CONFIG_FILE, json.dumps(config_record(cfg), indent=2))
-        lora = LoraSpec(cfg.lora_rank, cfg.lora_alpha, self.cfg.lora.target_modules)
-        self.multi.add(name, lora, learning_rate(cfg.learning_rate, self.model_dir), cfg.seed, grpo=replace(cfg.grpo, temperature=cfg.temperature))
+        self.multi.add(name, self._lora_of(cfg), learning_rate(cfg.learning_rate, self.model_dir), cfg.seed, grpo=replace(cfg.grpo, temperature=cfg.temperature))
         tol = 0.02 if self.multi.device.type == "cpu" else 0.25
-        exp = self.experiments[name] = Experiment(name, cfg, task, self.multi, self.shared, tol)
+        exp = self.experiments[name] = Experiment(name, cfg, task, self.multi, self.shared, tol, external)
         return exp
 
     def add(self, name: str, cfg: RunConfig) -> Experiment:
         """One more experiment on the running sweep (its memory checked with the others')."""
+        return self._add_new(name, cfg, external=False)
+
+    def attach(self, name: str, cfg: RunConfig) -> Experiment:
+        """One more experiment whose rollouts come from outside (module docstring): its LoRA, learning
+        rate, seed and loss from `cfg` (its task is not used), its run dir `<run_dir>/<name>`."""
+        return self._add_new(name, cfg, external=True)
+
+    def _add_new(self, name: str, cfg: RunConfig, external: bool) -> Experiment:
+        self._started("attach" if external else "add")
         check_name(name)
         if name in self.experiments:
             raise ValueError(f"the sweep has an experiment {name!r} already; pick another name")
+        self._lora_of(cfg).check_fits(self.cfg.lora, name)
         self.check_memory(len(self.experiments) + 1)
         cfg = replace(cfg, run_dir=str(self.run_dir / name))
+        task = resolve_task(cfg.task)
+        exp = self._add(name, cfg, task, external)
         self.configs[name] = cfg
-        return self._add(name, cfg, resolve_task(cfg.task))
+        return exp
 
     def retry(self, name: str) -> None:
         """Let a failed experiment step again (after fixing its cause, e.g. its task): its failed
@@ -243,8 +261,8 @@ class Sweep:
     # ---- steps -----------------------------------------------------------------------------------
     @property
     def active(self) -> list[Experiment]:
-        """The experiments still stepping (not failed)."""
-        return [e for e in self.experiments.values() if e.error is None]
+        """The experiments the sweep steps: not failed, not attached from outside."""
+        return [e for e in self.experiments.values() if e.error is None and not e.external]
 
     async def step(self, names: list[str] | None = None) -> dict[str, dict | None]:
         """One step of every active experiment (or of those in `names`), together; name → its row
@@ -285,6 +303,19 @@ class Sweep:
         except Exception as e:  # noqa: BLE001 — one experiment failing never stops the others
             exp.fail(e)
             return None
+
+    async def serve_initial(self, name: str) -> None:
+        """Serve experiment `name`'s starting adapter `<name>-step-0`, once (an attached experiment's
+        owner rolls out against it before its first train_on)."""
+        self._started("serve_initial")
+        await self.experiments[name].serve_initial(self._trainer_turn())
+
+    async def train_on(self, name: str, groups) -> dict:
+        """One step of attached experiment `name` on `groups` it rolled out against its served adapter
+        (Experiment.train_on), taking its turn on the trainer; its row. An error goes up to the caller
+        with the step undone; the experiment is not marked failed (its owner decides)."""
+        self._started("train_on")
+        return await self.experiments[name].train_on(groups, self._trainer_turn())
 
     def _trainer_turn(self) -> asyncio.Lock:
         """The trainer's turn: one lock per event loop (a notebook's cells share one; asyncio.run makes new ones)."""

@@ -157,6 +157,11 @@ class MultiTrainer:
                 self.model.set_adapter(trainer.adapter_name)  # also: only this adapter's parameters require grad
             yield trainer
 
+    def trainer_of(self, name: str) -> Trainer:
+        """The experiment's Trainer for its settings and bookkeeping (optimizer learning rate, cfg,
+        step, the checkpoint being written), without the lock: never to run the model (using())."""
+        return self._get(name)
+
     def _get(self, name: str) -> Trainer:
         try:
             return self._trainers[name]

@@ -63,7 +63,27 @@ class ModelRun(Protocol):
     async def close(self) -> None: ...
 
 
-class OwnRun:
+class _Served:
+    """What a GRPORun and a sweep's Experiment answer alike (both are `self.run`)."""
+
+    run = None
+
+    @property
+    def adapter(self) -> str | None:
+        """The adapter served now."""
+        return self.run.adapter
+
+    @property
+    def served_step(self) -> int:
+        return self.run.publisher.current.step
+
+    @property
+    def client(self):
+        """The server's client (a new one after a restart)."""
+        return self.run.client
+
+
+class OwnRun(_Served):
     """An ART model with a GRPORun of its own (module docstring)."""
 
     adapter_prefix = "policy"
@@ -87,20 +107,8 @@ class OwnRun:
         return own
 
     @property
-    def adapter(self) -> str | None:
-        return self.run.adapter
-
-    @property
     def step(self) -> int:
         return self.run.trainer.step
-
-    @property
-    def served_step(self) -> int:
-        return self.run.publisher.current.step
-
-    @property
-    def client(self):
-        return self.run.client
 
     @property
     def api_key(self) -> str | None:
@@ -127,7 +135,7 @@ class OwnRun:
         self.run.stop()
 
 
-class SweepMember:
+class SweepMember(_Served):
     """An ART model as one experiment of a running sweep (module docstring)."""
 
     def __init__(self, sweep: Sweep, name: str):
@@ -154,20 +162,8 @@ class SweepMember:
         return member
 
     @property
-    def adapter(self) -> str | None:
-        return self.run.adapter
-
-    @property
     def step(self) -> int:
         return self.run.step_count
-
-    @property
-    def served_step(self) -> int:
-        return self.run.publisher.current.step
-
-    @property
-    def client(self):
-        return self.run.client
 
     @property
     def api_key(self) -> str | None:

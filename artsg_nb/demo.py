@@ -5,19 +5,31 @@ machine has (the CPU engine and the offline tiny model without a GPU, SGLang wit
 the executed notebook, history.jsonl, adapters and the training plot into `--run-dir` (an earlier
 demo there, executed notebook included, is first moved to `<run-dir>/archive/<date>/`). It prints
 where everything is and the wall time. It does not change the committed notebook.
+
+The notebook's kernel talks to papermill over Unix sockets in a private temporary directory
+(`kernel_config`), not loopback TCP ports any local user could connect to (ipykernel warns about
+unencrypted TCP on every start).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import papermill
+from traitlets.config import Config
 
 from .run.rundir import archive_earlier_run
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_quickstart.ipynb"
+
+
+def kernel_config(socket_dir: str) -> Config:
+    """Jupyter config for a kernel on Unix sockets `<socket_dir>/kernel-<port>` (IPC transport)."""
+    return Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(socket_dir, "kernel")}})
 
 
 def main(argv=None) -> int:
@@ -32,9 +44,10 @@ def main(argv=None) -> int:
     archive_earlier_run(run_dir)  # before papermill writes the new executed notebook there
     out = run_dir / (Path(a.notebook).stem + ".executed.ipynb")
     t0 = time.perf_counter()
-    papermill.execute_notebook(a.notebook, str(out), parameters={"RUN_DIR": str(run_dir)},
-                               cwd=str(Path(a.notebook).parent), execution_timeout=a.cell_timeout_s,
-                               progress_bar=True)
+    with tempfile.TemporaryDirectory(prefix="artsg-kernel-") as sockets:  # mode 0700: this user's only
+        papermill.execute_notebook(a.notebook, str(out), parameters={"RUN_DIR": str(run_dir)},
+                                   cwd=str(Path(a.notebook).parent), execution_timeout=a.cell_timeout_s,
+                                   progress_bar=True, config=kernel_config(sockets))
     print(f"demo finished in {time.perf_counter() - t0:.0f} s")
     print(f"  executed notebook: {out}")
     for name in ("training.png", "history.jsonl"):

@@ -27,9 +27,17 @@ from .run.rundir import archive_earlier_run
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "01_quickstart.ipynb"
 
 
+SOCKET_PATH_MAX = 100
+"""Unix socket paths are limited to 104-108 bytes (sockaddr_un); `<dir>/kernel-<port>` must fit."""
+
+
 def kernel_config(socket_dir: str) -> Config:
-    """Jupyter config for a kernel on Unix sockets `<socket_dir>/kernel-<port>` (IPC transport)."""
-    return Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(socket_dir, "kernel")}})
+    """Jupyter config for a kernel on Unix sockets `<socket_dir>/kernel-<port>` (IPC transport);
+    loopback TCP (Jupyter's default) where a socket path there would be too long."""
+    prefix = os.path.join(socket_dir, "kernel")
+    if len(prefix) + len("-65535") > SOCKET_PATH_MAX:
+        return Config()
+    return Config({"KernelManager": {"transport": "ipc", "ip": prefix}})
 
 
 def main(argv=None) -> int:

@@ -40,3 +40,8 @@ def test_a_kernel_started_with_the_demos_config_uses_those_sockets_and_leaves_no
     assert info["transport"] == "ipc" and info["ip"] == os.path.join(str(sockets), "kernel")
     assert "without encryption" not in capfd.readouterr().err  # the kernel's own stderr is this process's
     assert list(sockets.iterdir()) == [], "the kernel's sockets are removed when it stops"
+
+
+def test_a_socket_directory_too_deep_for_a_unix_socket_falls_back_to_jupyters_default():
+    deep = "/tmp/" + "d" * 100
+    assert "transport" not in demo.kernel_config(deep).KernelManager

@@ -6,6 +6,8 @@ recorded SGLang bodies are in test_client_contract.py; the answers without --ena
 in cpu_engine/test_cpu_engine.py.
 """
 import asyncio
+import traceback
+import weakref
 
 import httpx
 import pytest
@@ -102,6 +104,35 @@ def test_failed_training_takes_the_memory_back(run, monkeypatch):
         asyncio.run(run.step())
     assert run.client.released_tags == () and generate_status(run) == 200
     assert run.trainer.step == step and len(run.history) == 1  # nothing recorded; step() can run again
+
+
+def test_a_failed_updates_tensors_are_freed_before_the_server_takes_its_memory_back(run, monkeypatch):
+    """At 14B on an H100 the failed update's activations, still held by its traceback's frames, left
+    the resuming server no memory: it died, and its restart too. They are gone before the resume."""
+    class Activations:  # stands for the update's tensors
+        pass
+
+    held = []
+
+    def out_of_memory(groups):
+        activations = Activations()  # noqa: F841 — a local of the failing frame, as the update's tensors are
+        held.append(weakref.ref(activations))
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    alive_at_resume = []
+    release_cached = run.trainer.release_cached_memory
+
+    def spying_release():
+        alive_at_resume.append(held[-1]() is not None)
+        release_cached()
+
+    monkeypatch.setattr(run.trainer, "train_step", out_of_memory)
+    monkeypatch.setattr(run.trainer, "release_cached_memory", spying_release)
+    with pytest.raises(RuntimeError, match="simulated") as raised:
+        asyncio.run(run.step())
+    assert alive_at_resume == [False], "the failed update's tensors were still held when the server resumed"
+    assert "out_of_memory" in "".join(traceback.format_tb(raised.value.__traceback__)), "the traceback keeps its lines"
+    assert run.client.released_tags == () and generate_status(run) == 200
 
 
 def test_release_memory_option():

@@ -56,7 +56,8 @@ def test_14b_needs_release_on_an_80gb_gpu_not_on_an_h200(tmp_path):
     m = ModelMemory.from_dir(model_dir(tmp_path, "14b"))
     assert m.weights / GIB == pytest.approx(25.5, abs=0.1)
     h100, h200 = colocated_fit(m, H100), colocated_fit(m, H200)
-    assert not h100.fits(False) and h100.fits(True)
+    # measured (299b538): with only the KV cache and CUDA graphs released it ran out of memory
+    assert not h100.fits(False) and not h100.fits(True) and h100.fits(True, True)
     assert h200.fits(False)
     assert colocated_fit(ModelMemory.from_dir(model_dir(tmp_path, "7b")), H100).fits(False)
     # a smaller micro-batch budget makes the trainer smaller
@@ -68,24 +69,39 @@ def test_14b_needs_release_on_an_80gb_gpu_not_on_an_h200(tmp_path):
 def test_default_releases_memory_only_where_the_model_needs_it(tmp_path):
     cfg = RunConfig(model_path=str(model_dir(tmp_path, "14b")))
     assert cfg.release_memory == "if_needed"
-    assert resolve_release(cfg, "colocated", gpus=[H100]) is True
-    assert resolve_release(cfg, "colocated", gpus=[H200]) is False
-    assert resolve_release(cfg, "split", gpus=[H100, H100]) is False
+    assert resolve_release(cfg, "colocated", gpus=[H100]).on is True
+    assert resolve_release(cfg, "colocated", gpus=[H200]).on is False
+    assert resolve_release(cfg, "split", gpus=[H100, H100]).on is False
     seven = RunConfig(model_path=str(model_dir(tmp_path, "7b")))
-    assert resolve_release(seven, "colocated", gpus=[H100]) is False
-    assert resolve_release(RunConfig(), "colocated", gpus=[H100]) is False  # the tiny model: nothing to estimate
-    assert resolve_release(RunConfig(release_memory="auto", model_path=seven.model_path), "colocated", gpus=[H100])
+    assert resolve_release(seven, "colocated", gpus=[H100]).on is False
+    assert resolve_release(RunConfig(), "colocated", gpus=[H100]).on is False  # the tiny model: nothing to estimate
+    assert resolve_release(RunConfig(release_memory="auto", model_path=seven.model_path), "colocated", gpus=[H100]).on
+
+
+def test_the_default_releases_the_weights_too_where_only_that_fits(tmp_path):
+    """14B on an 80 GB GPU ran out of memory with the KV cache and CUDA graphs released (299b538): the
+    default adds "weights" (and the server keeps a host copy); a user's own release settings are
+    kept, and refused with what to change where they cannot fit."""
+    fourteen = str(model_dir(tmp_path, "14b"))
+    release = resolve_release(RunConfig(model_path=fourteen), "colocated", gpus=[H100])
+    assert release.on and release.tags == ("kv_cache", "cuda_graph", "weights")
+    assert "releasing weights too" in release.why
+    seven = resolve_release(RunConfig(model_path=str(model_dir(tmp_path, "7b"))), "colocated", gpus=[H100])
+    assert seven.tags == ("kv_cache", "cuda_graph")
+    with pytest.raises(ModelTooLargeError, match=r"release_tags=\('kv_cache', 'cuda_graph', 'weights'\)"):
+        resolve_release(RunConfig(model_path=fourteen, release_memory=True), "colocated", gpus=[H100])
 
 
 def test_a_model_that_does_not_fit_as_configured_says_what_to_change(tmp_path):
     fourteen = str(model_dir(tmp_path, "14b"))
-    with pytest.raises(ModelTooLargeError, match=r"needed 9\d\.\d GiB with both resident.*Try: release_memory='if_needed'"):
+    with pytest.raises(ModelTooLargeError, match=r"needed 9\d\.\d GiB with both resident.*Try: release_memory='if_needed' \(the default: it releases "
+                                                   r"the server's weights too here\)"):
         resolve_release(RunConfig(model_path=fourteen, release_memory=False), "colocated", gpus=[H100])
     with pytest.raises(ModelTooLargeError, match=r"server 1\d\d\.\d GiB .* share.*Try: a GPU with more memory, 2\+ GPUs"):
         resolve_release(RunConfig(model_path=str(model_dir(tmp_path, "70b"))), "colocated", gpus=[H100])
     with pytest.raises(ValueError, match="does not fit the shared GPU without it.*pipeline=False to release"):
         resolve_release(RunConfig(model_path=fourteen, pipeline=True), "colocated", gpus=[H100])
-    assert resolve_release(RunConfig(model_path=fourteen, pipeline=True), "colocated", gpus=[H200]) is False
+    assert resolve_release(RunConfig(model_path=fourteen, pipeline=True), "colocated", gpus=[H200]).on is False
 
 
 def test_the_run_stops_before_any_server_starts(tmp_path, monkeypatch):
@@ -101,3 +117,31 @@ def test_the_run_stops_before_any_server_starts(tmp_path, monkeypatch):
     with pytest.raises(ModelTooLargeError, match="does not fit one GPU shared by the server and the trainer"):
         run.start()
     assert launched == []
+
+
+def test_a_14b_run_on_an_80gb_gpu_starts_its_server_with_a_host_copy_of_the_weights(tmp_path, monkeypatch):
+    """GRPORun.start on a (fake) H100 with a 14B and every default: the server is started able to
+    release its weights (--enable-weights-cpu-backup) and the run's recorded config says so."""
+    from artsg_nb.run import session
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpus, "pynvml", fake_pynvml([("NVIDIA H100 80GB HBM3", "GPU-aa", 81559, 0)]))
+    started = []
+
+    def start_inference(scfg, plan, run_dir):
+        started.append(scfg)
+        raise Stop
+
+    monkeypatch.setattr(session, "start_inference", start_inference)
+    monkeypatch.setattr(session, "make_trainer", lambda *a, **k: None)
+    run = session.GRPORun(RunConfig(model_path=str(model_dir(tmp_path, "14b")), run_dir=str(tmp_path / "run"),
+                                    engine="sglang", verbose=False))
+    with pytest.raises(Stop):
+        run.start()
+    [scfg] = started
+    assert scfg.enable_memory_saver and scfg.enable_weights_cpu_backup
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["release_tags"] == ["kv_cache", "cuda_graph", "weights"]

@@ -99,10 +99,10 @@ def test_pipeline_refuses_release_memory(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="pipeline=True with release_memory"):
         GRPORun(_cfg(tiny_model_dir, tmp_path, pipeline=True, release_memory=True)).start()
     cfg = RunConfig(pipeline=True, release_memory="auto")
-    assert resolve_release(cfg, "split") is False
+    assert resolve_release(cfg, "split").on is False
     with pytest.raises(ValueError, match="pipeline=False to release"):
         resolve_release(cfg, "colocated")
-    assert resolve_release(replace(cfg, pipeline=False), "colocated") is True
+    assert resolve_release(replace(cfg, pipeline=False), "colocated").on is True
 
 
 def test_stop_with_rollouts_in_flight_leaves_no_task(tiny_model_dir, tmp_path):

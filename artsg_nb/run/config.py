@@ -128,8 +128,10 @@ class RunConfig:
     "auto" (on when server and trainer share one GPU: colocated plan; off on CPU and on split GPUs),
     or "if_needed" (the default): on where they share one GPU and the model would not fit it twice
     beside a KV cache and the trainer's activations (serving.memory_estimate, from the model
-    directory's config.json; a 14B in bf16 on an 80 GB GPU), off otherwise. A model that does not
-    fit even so stops the run before the server starts, with the memory it needs and what to change.
+    directory's config.json), off otherwise; where releasing the KV cache and CUDA graphs is not
+    enough it adds "weights" to release_tags (a 14B in bf16 on an 80 GB GPU; a warning says so).
+    A model that does not fit even so stops the run before the server starts, with the memory it
+    needs and what to change.
     SGLang needs torch_memory_saver in its environment (sglang pins it). Costs release_s + resume_s
     per step; the prefix cache it flushes is per adapter anyway, so no hits are lost; it buys
     nothing while the trainer fits beside the server. Measured on one H200 (GPU memory in use as
@@ -272,13 +274,26 @@ def _is_package_task(name: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Release:
+    """resolve_release's answer: whether the server's memory is released around each update, and what."""
+
+    on: bool
+    tags: tuple[str, ...]
+    """engines.MEMORY_TAGS released: cfg.release_tags, with "weights" added where the default
+    (release_memory="if_needed") finds the model fits the shared GPU only so."""
+    why: str = ""
+    """The memory estimate, where it decided (ColocatedFit.describe)."""
+
+
 def resolve_release(cfg: RunConfig, mode: str, gpus: Sequence[GpuInfo] | None = None,
-                    model_dir: str | None = None) -> bool:
-    """cfg.release_memory → bool ("auto": only when server and trainer share one GPU; "if_needed":
-    when they share one and the model does not fit it without). On a shared GPU a model that does
-    not fit as configured raises ModelTooLargeError here, before anything starts. `gpus` default
-    to list_gpus(), `model_dir` to cfg.model_path where that is a directory (a name still to be
-    built or a hub id is not estimated)."""
+                    model_dir: str | None = None) -> Release:
+    """cfg.release_memory → Release ("auto": on only when server and trainer share one GPU;
+    "if_needed": when they share one and the model does not fit it without, releasing the server's
+    weights too where the KV cache and CUDA graphs are not enough). On a shared GPU a model that
+    does not fit as configured raises ModelTooLargeError here, before anything starts. `gpus`
+    default to list_gpus(), `model_dir` to cfg.model_path where that is a directory (a name still
+    to be built or a hub id is not estimated)."""
     memory_tags(cfg.release_tags)  # a typo fails before anything is launched
     if cfg.release_memory not in (True, False, "auto", "if_needed"):
         raise ValueError(f"release_memory={cfg.release_memory!r}; use True, False or 'auto' "
@@ -290,7 +305,11 @@ def resolve_release(cfg: RunConfig, mode: str, gpus: Sequence[GpuInfo] | None = 
         release = fit is not None and not fit.fits(False)
     else:
         release = cfg.release_memory
-    weights = "weights" in cfg.release_tags
+    tags = tuple(cfg.release_tags)
+    if (cfg.release_memory == "if_needed" and release and "weights" not in tags
+            and not fit.fits(True) and fit.fits(True, True)):
+        tags = (*tags, "weights")
+    weights = "weights" in tags
     if fit is not None and not fit.fits(release, weights):
         raise fit.error(release, weights, str(cfg.model_path))
     if release and cfg.pipeline:
@@ -298,7 +317,7 @@ def resolve_release(cfg: RunConfig, mode: str, gpus: Sequence[GpuInfo] | None = 
         raise ValueError(f"pipeline=True with release_memory={cfg.release_memory!r}{why} (resolved on: {mode} plan): "
                          "the server cannot give its GPU memory back while it samples the next step's rollouts during "
                          "the update. Use one of them: release_memory=False to pipeline, or pipeline=False to release.")
-    return release
+    return Release(bool(release), tags, fit.describe() if fit is not None else "")
 
 
 def _colocated_fit(cfg: RunConfig, gpus: Sequence[GpuInfo] | None, model_dir: str | None) -> ColocatedFit | None:

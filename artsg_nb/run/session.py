@@ -176,12 +176,16 @@ class GRPORun:
         path = self.run_dir / CONFIG_FILE  # with resume=True a changed configuration is refused first
         if cfg.resume and path.exists():
             check_resumable(json.loads(path.read_text()), cfg)
-        write_atomic(path, json.dumps(config_record(cfg), indent=2))
         self.plan = plan_gpus(list_gpus(), num_servers=cfg.num_servers,
                               trainer_ranks=cfg.trainer_ranks if cfg.trainer_ranks > 1 else None)
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
-        self.release = resolve_release(cfg, self.plan.mode)
+        release = resolve_release(cfg, self.plan.mode)
+        if release.tags != cfg.release_tags:  # the default releases the weights too where only that fits
+            self.cfg = cfg = replace(cfg, release_tags=release.tags)
+            log.warning("release_memory: the server's weights are released around each update too: %s", release.why)
+        self.release = release.on
         self.plan = replace(self.plan, release_server_memory=self.release)
+        write_atomic(path, json.dumps(config_record(cfg), indent=2))
         if engine != "cpu" and self.plan.mode == "cpu":
             require_gpu()
         apply_to_kernel(self.plan)

@@ -35,8 +35,13 @@ KV_HEADROOM_TOKENS = 16384
 """KV cache the server needs beside its weights: a step of 16 x 8 samples of ~128 tokens at once."""
 MIN_MICRO_BATCH_TOKENS = 2048
 """The trainer's smallest micro-batch (rl.trainer.GPU_MICRO_BATCH_TOKENS[0]): out of memory below it, a step fails."""
-RELEASED_RESERVE_GIB = 2.0
-"""What stays in use while the server's memory is released: two CUDA contexts and fragmentation."""
+RELEASED_RESERVE_GIB = 4.0
+"""What stays in use while the server's memory is released, beyond the weights and the trainer's
+estimate: CUDA contexts, what the released server keeps beside its weights, the allocators' slack.
+Measured at 14B on an H100 (299b538, benchmarks/results/20261207-h100-scale-14b-299b538.md): the
+update ran out of memory with 3.0 GiB of that in use (the server 1.55 GiB beyond its 25.6 GiB of
+weights, the trainer's context 0.7 GiB and 0.75 GiB reserved but unallocated) before its
+micro-batch peaked; 2.0 had called that run a fit by 0.4 GiB."""
 LORA_TARGETS = 7  # q, k, v, o, gate, up, down (rl.trainer.LORA_TARGETS)
 ADAMW_BYTES_PER_PARAM = 16  # fp32 weight, gradient and two moments
 
@@ -131,6 +136,9 @@ class ColocatedFit:
                    "for a model one GPU cannot hold) or a smaller model")
         elif not release and self.fits(True):
             fix = "release_memory='if_needed' (the default) or True"
+        elif not release and self.fits(True, True):
+            fix = ("release_memory='if_needed' (the default: it releases the server's weights too here), or True "
+                   "with release_tags=('kv_cache', 'cuda_graph', 'weights')")
         elif not weights_released and self.fits(True, True):
             fix = "release_memory=True with release_tags=('kv_cache', 'cuda_graph', 'weights')"
         else:

@@ -137,8 +137,8 @@ def test_a_failed_updates_tensors_are_freed_before_the_server_takes_its_memory_b
 
 def test_release_memory_option():
     cfg = RunConfig(release_memory="auto")
-    assert _resolve_release(cfg, "colocated") and not _resolve_release(cfg, "cpu")
-    assert not _resolve_release(cfg, "split")
+    assert _resolve_release(cfg, "colocated").on and not _resolve_release(cfg, "cpu").on
+    assert not _resolve_release(cfg, "split").on
     with pytest.raises(ValueError, match="True, False or 'auto'"):
         _resolve_release(RunConfig(release_memory="yes"), "colocated")
     with pytest.raises(ValueError, match="kv_cache"):

@@ -170,33 +170,30 @@ def test_a_step_that_fails_after_its_update_is_undone_and_redone_after_retry(swe
 
 
 def test_a_server_lost_mid_rollouts_is_restarted_and_every_experiment_steps_on(sweep, stepped, monkeypatch):
-    """The server is SIGKILLed by the 3rd reply of `slow`'s step: both experiments' rollouts fail, one
-    restart serves them both (each one's newest version loaded again) and both steps complete."""
+    """The server is SIGKILLed as `slow` opens the episodes of its second group, so that group's
+    request goes to a dead server whatever became of the first (it used to be killed at the 3rd
+    reply, after which all of slow's replies could already be in: then nothing of slow failed). One
+    restart serves both experiments (each one's newest version loaded again) and both steps complete."""
     import os
     import signal
 
     exp = sweep.experiments["slow"]
-    replies, make_env = [], exp.source.task.make_env
+    opened, make_env = [], exp.source.task.make_env
+    per_step = exp.cfg.groups_per_step * exp.cfg.group_size
 
     def factory(seed):
-        env = make_env(seed)
-        reply_to = env.step
-
-        def step(reply):
-            replies.append(reply)
-            if len(replies) == 3:
-                os.killpg(sweep.server.pid, signal.SIGKILL)
-                sweep.server.proc.wait(timeout=30)
-            return reply_to(reply)
-        env.step = step
-        return env
+        opened.append(seed)
+        if len(opened) == exp.cfg.group_size + 1:  # the first episode of the second group
+            os.killpg(sweep.server.pid, signal.SIGKILL)
+            sweep.server.proc.wait(timeout=30)
+        return make_env(seed)
 
     monkeypatch.setattr(exp.source, "task", replace(exp.source.task, factory=factory))
     before, steps = sweep.server.pid, {n: sweep.experiments[n].step_count for n in ("slow", "fast")}
     rows = asyncio.run(sweep.step())
     assert sweep.restarts == 1 and sweep.server.pid != before
     assert {n: rows[n]["step"] for n in steps} == {n: s + 1 for n, s in steps.items()}, sweep.table()["error"]
-    assert len(replies) > 8  # the step's rollouts were redone after the restart
+    assert len(opened) > per_step, "slow's rollouts were not redone after the restart"
     held = set(asyncio.run(sweep.client.list_adapters()))
     assert held >= {f"{n}-step-{s + 1}" for n, s in steps.items()} and not held & {f"{n}-step-{s}" for n, s in steps.items()}
 

@@ -25,6 +25,7 @@ def test_the_demo_kernel_listens_on_sockets_in_a_private_directory(tmp_path, mon
         seen.append((kw["config"].KernelManager.transport, stat.S_IMODE(sockets.stat().st_mode)))
 
     monkeypatch.setattr(demo.papermill, "execute_notebook", execute)
+    monkeypatch.setattr(demo.tempfile, "tempdir", "/tmp")  # short enough for a socket path, whatever TMPDIR is
     assert demo.main(["--run-dir", str(tmp_path / "demo")]) == 0
     assert seen == [("ipc", 0o700)]
 

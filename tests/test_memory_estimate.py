@@ -145,3 +145,22 @@ def test_a_14b_run_on_an_80gb_gpu_starts_its_server_with_a_host_copy_of_the_weig
     assert scfg.enable_memory_saver and scfg.enable_weights_cpu_backup
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert recorded["release_tags"] == ["kv_cache", "cuda_graph", "weights"]
+
+
+def test_release_tags_given_as_a_list_start_without_a_weights_warning(tmp_path, monkeypatch, caplog):
+    """RunConfig accepts release_tags as a list; a list is never equal to the resolved tuple, which
+    once logged "the server's weights are released ... too" for every such run."""
+    from artsg_nb.run import session
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpus, "pynvml", fake_pynvml([("NVIDIA H100 80GB HBM3", "GPU-aa", 81559, 0)]))
+    monkeypatch.setattr(session, "start_inference", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+    monkeypatch.setattr(session, "make_trainer", lambda *a, **k: None)
+    run = session.GRPORun(RunConfig(model_path=str(model_dir(tmp_path, "7b")), run_dir=str(tmp_path / "run"),
+                                    engine="sglang", verbose=False, release_tags=["kv_cache", "cuda_graph"]))
+    with caplog.at_level("WARNING"), pytest.raises(Stop):
+        run.start()
+    assert "weights are released" not in caplog.text

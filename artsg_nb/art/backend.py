@@ -237,10 +237,9 @@ class SGLangBackend:
 
         _refuse_unsupported(loss_fn, kwargs)
         run = self._run(model)
-        # in a worker thread: resolving a token without ids runs the trainer's model, which in a
-        # sweep may wait for another experiment's update
-        groups = await asyncio.to_thread(to_groups, list(trajectory_groups), run.tokenizer, run.adapter,
-                                         logprob_resolver(run))
+        # on the event loop, as the rollouts that share the tokenizer are; a token without ids runs
+        # the trainer's model (in a sweep that waits for another experiment's update: a rare path)
+        groups = to_groups(list(trajectory_groups), run.tokenizer, run.adapter, logprob_resolver(run))
         grpo = {"scale_rewards": "group" if scale_rewards and normalize_advantages else "none"}
         if epsilon is not None:
             grpo.update(epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high)
@@ -261,7 +260,7 @@ class SGLangBackend:
         resume restores) and leased ones are kept whatever the list says."""
         run = self._run(model)
         adapters = run.run_dir / "adapters"
-        run.wait_for_checkpoint()  # the newest checkpoint on disk (or failed) before any goes
+        await asyncio.to_thread(run.wait_for_checkpoint)  # the newest checkpoint on disk (or failed) before any goes
         keep = set(steps_to_keep) | {run.step, run.served_step, *checkpoint_steps(adapters)[-1:],
                                      *self._leases[model.name].steps}
         for step in version_steps(adapters):
@@ -275,8 +274,14 @@ class SGLangBackend:
         """Stop every registered model's server and trainer, or take it out of the sweep (adapters
         and history stay on disk)."""
         runs, self._runs, self._leases = list(self._runs.values()), {}, {}
-        for run in runs:
-            await run.close()
+        errors = []
+        for run in runs:  # each one, whatever the one before raised
+            try:
+                await run.close()
+            except Exception as e:  # noqa: BLE001 — raised after the others are closed
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     async def __aenter__(self) -> "SGLangBackend":
         return self

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +34,8 @@ from ..multi.runtime import Sweep
 from ..run.config import CONFIG_FILE, RunConfig
 from ..run.session import GRPORun
 from .convert import AmbiguousTokens
+
+log = logging.getLogger(__name__)
 
 
 class ModelRun(Protocol):
@@ -157,7 +160,10 @@ class SweepMember(_Served):
         try:
             await sweep.serve_initial(name)
         except BaseException:
-            await sweep.remove(name)
+            try:
+                await sweep.remove(name)
+            except Exception as e:  # noqa: BLE001 — the serve_initial error is the one to report
+                log.error("could not take %s out of the sweep again (%s: %s)", name, type(e).__name__, e)
             raise
         return member
 

@@ -221,8 +221,11 @@ class Experiment:
             return
         try:
             with self.multi.using(self.name) as trainer:
+                rates = [g["lr"] for g in trainer.optimizer.param_groups]
                 trainer.load_checkpoint(served.path)
                 trainer.step = before  # a skipped update's step counts without a version of its own
+                for group, rate in zip(trainer.optimizer.param_groups, rates):  # its checkpoint may hold one
+                    group["lr"] = rate  # call's learning rate (art.runs.overrides), not the experiment's
             log.warning("experiment %s: step %d undone, the trainer is back at %s", self.name, before + 1, served.name)
         except Exception as e:  # noqa: BLE001 — the step's own error is the one to report
             log.error("experiment %s: could not roll the trainer back to %s (%s: %s)", self.name, served.name,

@@ -231,12 +231,16 @@ class Sweep:
         """Drop an experiment: its adapter versions unloaded from the server, its LoRA and optimizer
         from the trainer. Its run dir stays."""
         exp = self.experiments.pop(name)
-        for version in exp.publisher.served:
-            await exp.client.unload_adapter(version.name)
-        exp.publisher.served.clear()
-        self.shared.publishers.remove(exp.publisher)
-        self.multi.remove(name)
-        self.configs.pop(name, None)
+        try:
+            for version in exp.publisher.served:
+                await exp.client.unload_adapter(version.name)
+        except Exception as e:  # noqa: BLE001 — a server gone or restarting: the experiment goes all the same
+            log.warning("sweep: could not unload experiment %s's adapters (%s: %s)", name, type(e).__name__, e)
+        finally:
+            exp.publisher.served.clear()
+            self.shared.publishers.remove(exp.publisher)
+            self.configs.pop(name, None)
+            await asyncio.to_thread(self.multi.remove, name)  # waits for the trainer's lock and its checkpoint
 
     def stop(self) -> None:
         """Stop the server (by its process group) and release the sweep's lock; run dirs stay."""
@@ -268,6 +272,9 @@ class Sweep:
         """One step of every active experiment (or of those in `names`), together; name → its row
         (None: it failed now)."""
         self._started("step")
+        attached = [n for n in names or () if n in self.experiments and self.experiments[n].external]
+        if attached:
+            raise ValueError(f"{attached}: attached experiments are trained by their owner (sweep.train_on), not stepped")
         exps = [e for e in self.active if names is None or e.name in names]
         rows = await asyncio.gather(*(self._guarded(e) for e in exps))
         return dict(zip((e.name for e in exps), rows))
@@ -315,7 +322,11 @@ class Sweep:
         (Experiment.train_on), taking its turn on the trainer; its row. An error goes up to the caller
         with the step undone; the experiment is not marked failed (its owner decides)."""
         self._started("train_on")
-        return await self.experiments[name].train_on(groups, self._trainer_turn())
+        exp = self.experiments[name]
+        if not exp.external:
+            raise ValueError(f"experiment {name!r} rolls out its own task (sweep.step / sweep.run step it); "
+                             "train_on is for experiments attached with sweep.attach")
+        return await exp.train_on(groups, self._trainer_turn())
 
     def _trainer_turn(self) -> asyncio.Lock:
         """The trainer's turn: one lock per event loop (a notebook's cells share one; asyncio.run makes new ones)."""

@@ -85,7 +85,7 @@ class SharedServer:
         self.client = self.server.client()
         for publisher in self.publishers:
             publisher.client = self.client
-        for publisher in self.publishers:
+        for publisher in list(self.publishers):  # an experiment removed meanwhile must not skip the next one
             await publisher.republish()
         self.generation += 1
 

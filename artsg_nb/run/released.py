@@ -72,7 +72,10 @@ async def _resume_after_failure(trainer, supervisor: ServerSupervisor, take_agai
     update's frames, and they its activations (at 14B on an H100, 25 GiB that the server's resume
     then did not find: it died, and so did its restart): their locals are dropped first, outside
     the except block (the traceback's lines stay)."""
-    traceback.clear_frames(failed.__traceback__)
+    seen = failed
+    while seen is not None:  # and those of the errors it was raised from or during
+        traceback.clear_frames(seen.__traceback__)
+        seen = seen.__cause__ or seen.__context__
     try:
         await _resume(trainer, supervisor, take_again, clock)
     except Exception as e:  # the training error is the one to report

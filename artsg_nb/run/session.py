@@ -180,7 +180,7 @@ class GRPORun:
                               trainer_ranks=cfg.trainer_ranks if cfg.trainer_ranks > 1 else None)
         engine = cfg.engine if cfg.engine != "auto" else ("cpu" if self.plan.mode == "cpu" else "sglang")
         release = resolve_release(cfg, self.plan.mode)
-        if release.tags != cfg.release_tags:  # the default releases the weights too where only that fits
+        if "weights" in release.tags and "weights" not in cfg.release_tags:  # the default adds them where only that fits
             self.cfg = cfg = replace(cfg, release_tags=release.tags)
             log.warning("release_memory: the server's weights are released around each update too: %s", release.why)
         self.release = release.on

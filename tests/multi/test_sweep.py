@@ -169,6 +169,29 @@ def test_a_step_that_fails_after_its_update_is_undone_and_redone_after_retry(swe
     assert [r["step"] for r in exp.history.rows][-2:] == [before, before + 1]
 
 
+def test_a_rollback_keeps_the_experiments_learning_rate_not_the_one_its_checkpoint_was_saved_at(sweep, stepped,
+                                                                                                  monkeypatch):
+    """A checkpoint saved while one call's learning rate was on (an attached ART model's
+    backend.train(learning_rate=...)) holds that rate; a step undone back to it keeps the experiment's own."""
+    exp = sweep.experiments["slow"]
+    own, served = sweep.multi.learning_rate_of("slow"), exp.publisher.current
+    with sweep.multi.using("slow") as trainer:  # the served version's checkpoint, as if saved under a call's rate
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = own * 7
+        trainer.save_checkpoint(served.path, wait=True)
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = own
+
+    async def refused(version):
+        raise RuntimeError("the load was refused")
+
+    monkeypatch.setattr(exp.publisher, "publish", refused)
+    assert asyncio.run(sweep.step(names=["slow"])) == {"slow": None}  # updated, then undone
+    sweep.retry("slow")
+    assert sweep.multi.step_of("slow") == served.step
+    assert sweep.multi.learning_rate_of("slow") == own
+
+
 def test_a_server_lost_mid_rollouts_is_restarted_and_every_experiment_steps_on(sweep, stepped, monkeypatch):
     """The server is SIGKILLed as `slow` opens the episodes of its second group, so that group's
     request goes to a dead server whatever became of the first (it used to be killed at the 3rd

@@ -60,7 +60,15 @@ def test_an_art_model_trains_as_one_experiment_beside_the_sweeps_own(sweep, tmp_
         served = sweep.client.served_model
         assert model.get_inference_name() == f"{served}:adder-step-0"
         assert model.inference_base_url == f"{sweep.client.base_url}/v1"
-        results = []
+        results, rates = [], []
+        train_step = sweep.multi.train_step
+
+        def recording(name, groups):  # the learning rate each of the ART model's updates ran at
+            if name == "adder":
+                rates.append(sweep.multi.learning_rate_of(name))
+            return train_step(name, groups)
+
+        sweep.multi.train_step = recording
         for i in range(2):  # the ART model's step and the sweep's own step, at the same time
             async def art_step():
                 groups = [await art_group(model, 100 * i + s) for s in range(2)]
@@ -74,7 +82,13 @@ def test_an_art_model_trains_as_one_experiment_beside_the_sweeps_own(sweep, tmp_
             assert not {f"adder-step-{i}", f"own-step-{i}"} & held, "each reload unloads its own old version"
         assert results[0].metrics["probe_mad"] < 0.02, "the served adapter is not the ART model's trained one"
         assert results[-1].checkpoint_path == str(sweep.run_dir / "adder" / "adapters" / "policy-step-2")
+        del sweep.multi.train_step
+        assert rates == [5e-2, 5e-2], "the call's learning rate is the one its update runs at"
         assert sweep.multi.learning_rate_of("adder") == 1e-2, "one call's learning rate is taken back after it"
+        with pytest.raises(ValueError, match="attached experiments are trained by their owner"):
+            await sweep.step(names=["adder"])
+        with pytest.raises(ValueError, match="train_on is for experiments attached"):
+            await sweep.train_on("own", [])
         table = sweep.table()
         assert table.loc["adder", "status"] == "external" and table.loc["adder", "step"] == 2
         assert table.loc["own", "step"] == 2 and table.loc["own", "status"] == "stepping"

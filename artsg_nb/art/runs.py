@@ -25,9 +25,10 @@ import asyncio
 import contextlib
 import logging
 import os
+from abc import ABC, abstractmethod
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, ContextManager, Protocol
+from typing import Callable, ContextManager
 
 from ..models.pretrained import built_model_dir
 from ..multi.runtime import Sweep
@@ -38,38 +39,15 @@ from .convert import AmbiguousTokens
 log = logging.getLogger(__name__)
 
 
-class ModelRun(Protocol):
-    """What SGLangBackend needs of the run behind one model (module docstring)."""
+class ModelRun(ABC):
+    """What SGLangBackend needs of the run behind one model (module docstring): what a GRPORun and
+    a sweep's Experiment (`self.run`) answer alike is written here once, the rest by each kind."""
 
+    run = None
+    """The GRPORun or the sweep's Experiment (what backend.run(model) returns)."""
     run_dir: Path
     adapter_prefix: str
     """Served adapter names are `<adapter_prefix>-step-N`; a lease's `<adapter_prefix>-step-N-lease`."""
-
-    @property
-    def run(self): ...
-    @property
-    def adapter(self) -> str | None: ...
-    @property
-    def step(self) -> int: ...
-    @property
-    def served_step(self) -> int: ...
-    @property
-    def client(self): ...
-    @property
-    def api_key(self) -> str | None: ...
-    @property
-    def tokenizer(self): ...
-    def using_trainer(self) -> ContextManager: ...
-    async def serve_initial(self) -> None: ...
-    async def train_on(self, groups, learning_rate: float | None, grpo: dict) -> dict: ...
-    def wait_for_checkpoint(self) -> None: ...
-    async def close(self) -> None: ...
-
-
-class _Served:
-    """What a GRPORun and a sweep's Experiment answer alike (both are `self.run`)."""
-
-    run = None
 
     @property
     def adapter(self) -> str | None:
@@ -85,8 +63,35 @@ class _Served:
         """The server's client (a new one after a restart)."""
         return self.run.client
 
+    @property
+    @abstractmethod
+    def step(self) -> int: ...
 
-class OwnRun(_Served):
+    @property
+    @abstractmethod
+    def api_key(self) -> str | None: ...
+
+    @property
+    @abstractmethod
+    def tokenizer(self): ...
+
+    @abstractmethod
+    def using_trainer(self) -> ContextManager: ...
+
+    @abstractmethod
+    async def serve_initial(self) -> None: ...
+
+    @abstractmethod
+    async def train_on(self, groups, learning_rate: float | None, grpo: dict) -> dict: ...
+
+    @abstractmethod
+    def wait_for_checkpoint(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+class OwnRun(ModelRun):
     """An ART model with a GRPORun of its own (module docstring)."""
 
     adapter_prefix = "policy"
@@ -138,7 +143,7 @@ class OwnRun(_Served):
         self.run.stop()
 
 
-class SweepMember(_Served):
+class SweepMember(ModelRun):
     """An ART model as one experiment of a running sweep (module docstring)."""
 
     def __init__(self, sweep: Sweep, name: str):
